@@ -1,0 +1,100 @@
+"""Activation at interpreter start, run from ``kvplugin.pth`` (and ``kvplugin.start``).
+
+Stdlib only and nearly free: it puts one finder at the front of ``sys.meta_path`` that
+reacts to exactly the host modules in :data:`TRIGGERS`. When one of them finishes
+executing, the matching adapter in :mod:`kvplugin.hosts` is imported and installed. Any
+error there is caught and reported once; the host's import never fails because of us.
+
+``KVPLUGIN_DISABLE`` (1/true/yes/on) switches patching off: nothing of kvplugin beyond
+this module is imported, and a host import only prints one line saying the host runs
+stock, so a user who forgot the variable is not left guessing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# host module -> kvplugin adapter module (with an ``on_import(module)`` function)
+TRIGGERS: dict[str, str] = {
+    "mlx_lm.server": "kvplugin.hosts.mlx_lm",
+    "vllm_mlx.cli": "kvplugin.hosts.vllm_mlx",
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def disabled() -> bool:
+    return os.environ.get("KVPLUGIN_DISABLE", "").strip().lower() in _TRUE
+
+
+class _TriggerLoader:
+    """Wraps a host module's loader to run the adapter after the module body."""
+
+    def __init__(self, loader, adapter: str) -> None:
+        self._loader = loader
+        self._adapter = adapter
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        run_trigger(self._adapter, module)
+
+
+class _TriggerFinder:
+    """A meta-path finder that only ever answers for the trigger modules."""
+
+    _kvplugin_trigger_finder = True
+
+    def find_spec(self, fullname, path=None, target=None):
+        adapter = TRIGGERS.get(fullname)
+        if adapter is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or getattr(finder, "_kvplugin_trigger_finder", False):
+                continue
+            find = getattr(finder, "find_spec", None)
+            if find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _TriggerLoader(spec.loader, adapter)
+                return spec
+        return None
+
+
+def run_trigger(adapter: str, module) -> None:
+    """Install the adapter for a freshly imported host module; never raise."""
+    try:
+        if disabled():
+            from kvplugin.log import say
+
+            say(f"disabled by KVPLUGIN_DISABLE; {module.__name__} runs stock", key="disabled")
+            return
+        import importlib
+
+        importlib.import_module(adapter).on_import(module)
+    except Exception as exc:  # the host must keep working without us
+        try:
+            from kvplugin.log import say
+
+            say(f"not active ({type(exc).__name__}: {exc}); the host runs stock", key="error")
+        except Exception:
+            pass
+
+
+def activate() -> None:
+    """Install the trigger finder once (a site dir listed twice runs the .pth twice)."""
+    if any(getattr(f, "_kvplugin_trigger_finder", False) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _TriggerFinder())
+    for name, adapter in TRIGGERS.items():  # a host imported before site ran (rare)
+        module = sys.modules.get(name)
+        if module is not None:
+            run_trigger(adapter, module)

@@ -1,0 +1,101 @@
+"""THE CONTRACT: every public kvplugin hook.
+
+A plugin replaces one of kvplugin's decisions by implementing a hook, never by patching.
+Rules that keep this API stable (docs/hooks.md repeats them):
+
+* Hooks are called with keyword arguments only; a plugin may accept fewer arguments.
+* Arguments are only ever *added*, never removed or renamed; a name never changes meaning.
+* ``firstresult`` hooks: the first non-``None`` result wins. kvplugin's built-ins are
+  registered ``trylast``, so any installed plugin runs before them and overrides them by
+  returning a value; returning ``None`` defers to the next implementation.
+* Strategies are called once per cache event (build, store, fetch, evict), never per token.
+
+``cache`` below is always a *cache entry*: the list of per-layer cache objects that
+mlx-lm's ``make_prompt_cache`` returns (``KVCache``, ``QuantizedKVCache``,
+``RotatingKVCache``, ...). Hooks receive and return the host's own cache classes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from kvplugin.cache.store import ColdTier, StoreEntry
+    from kvplugin.settings import KVPluginSettings
+
+PROJECT = "kvplugin"
+HOOK_API_VERSION = 1
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec(historic=True)
+def kvplugin_configure(settings: KVPluginSettings, host: str) -> None:
+    """Called once per process, after the settings are resolved and before serving.
+
+    ``host`` is the adapter name (``"mlx-lm"``, ``"vllm-mlx"``) or ``"none"`` outside a
+    host (``kvplugin info``). Historic: a plugin registered later still receives it.
+    Raise :class:`kvplugin.settings.SettingsError` to stop the host at start-up with a
+    message.
+    """
+
+
+@hookspec(firstresult=True)
+def kvplugin_make_cache(model: Any, cache: list, settings: KVPluginSettings) -> list | None:
+    """Shape the fresh per-request cache the host has just built for ``model``.
+
+    Called each time the host makes a new cache (one call per request, not per token).
+    Return a replacement list (same length, one cache per layer) or ``None`` to keep
+    ``cache``. The built-in bounds plain layers with a pre-allocated rotating cache when
+    ``settings.max_kv_size`` is set and applies ``settings.kv_cache_step`` otherwise.
+    """
+
+
+@hookspec(firstresult=True)
+def kvplugin_trim_entry(cache: list) -> list | None:
+    """Cut an entry to its used length before it is stored.
+
+    Return the trimmed list (layers already exact may be returned as they are) or
+    ``None`` to defer. The built-in copies each layer's used tokens into a fresh buffer
+    so the oversized one is freed.
+    """
+
+
+@hookspec(firstresult=True)
+def kvplugin_quantize_entry(
+    cache: list, num_tokens: int, settings: KVPluginSettings
+) -> list | None:
+    """Quantize an entry of ``num_tokens`` tokens before it is stored.
+
+    Called only when ``settings.kv_cache_quantization`` is on. Return the entry to store
+    (quantized layers should be mlx-lm ``QuantizedKVCache``), or ``None`` to decline and
+    store it as it is (the built-in declines below ``kv_cache_min_quantize_tokens``).
+    """
+
+
+@hookspec(firstresult=True)
+def kvplugin_dequantize_entry(cache: list, settings: KVPluginSettings) -> list | None:
+    """Restore a stored entry for a host path that cannot use quantized layers.
+
+    Return the full-precision entry, or ``None`` if there is nothing to restore.
+    """
+
+
+@hookspec(firstresult=True)
+def kvplugin_store_backend(settings: KVPluginSettings) -> ColdTier | None:
+    """Provide the cold tier that evicted hot entries spill to.
+
+    Called once when a host's prompt store is created. Return an object implementing
+    :class:`kvplugin.cache.store.ColdTier`, or ``None`` for no cold tier (evictions are
+    discarded). The built-in returns an SSD tier when ``settings.ssd_cache_dir`` is set
+    and ``None`` under ``settings.hot_cache_only``. A plugin must honour
+    ``hot_cache_only`` itself.
+    """
+
+
+@hookspec
+def kvplugin_on_evict(entry: StoreEntry, settings: KVPluginSettings) -> None:
+    """Observe an entry leaving the hot tier (spilled or discarded). Results are ignored."""

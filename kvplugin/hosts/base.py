@@ -1,0 +1,147 @@
+"""What every host adapter shares: version gating and a patch registry that restores.
+
+An adapter *translates* between a host's internals and kvplugin's hooks; it never
+decides policy. It declares the distribution it patches and the version range it was
+proven against (the tox matrix); outside that range it says so once and patches nothing.
+Patching is all-or-nothing: if any step fails, every patch already applied is undone.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from kvplugin.log import say
+
+_MISSING = object()
+
+
+@dataclass
+class _Patch:
+    owner: Any
+    name: str
+    original: Any  # the raw value from owner.__dict__ (staticmethods round-trip), or _MISSING
+
+
+@dataclass
+class PatchRegistry:
+    """Records every replaced attribute and puts the exact originals back."""
+
+    patches: list[_Patch] = field(default_factory=list)
+
+    def replace(self, owner: Any, name: str, new: Any) -> Any:
+        """Set ``owner.name = new``; return the original as ``getattr`` saw it."""
+        raw = vars(owner).get(name, _MISSING)
+        if raw is _MISSING and not hasattr(owner, name):
+            raise AttributeError(f"{_label(owner)} has no attribute {name!r} to patch")
+        current = getattr(owner, name)
+        self.patches.append(_Patch(owner, name, raw))
+        setattr(owner, name, new)
+        return current
+
+    def restore_all(self) -> None:
+        """Undo in reverse order, restoring identity (``owner.__dict__[name] is original``)."""
+        while self.patches:
+            p = self.patches.pop()
+            if p.original is _MISSING:
+                delattr(p.owner, p.name)
+            else:
+                setattr(p.owner, p.name, p.original)
+
+    def __len__(self) -> int:
+        return len(self.patches)
+
+
+def _label(owner: Any) -> str:
+    return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
+
+
+def installed_version(distribution: str) -> Version | None:
+    try:
+        return Version(importlib.metadata.version(distribution))
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        return None
+
+
+class HostAdapter:
+    """Base class: subclasses set the class attributes and implement :meth:`apply`."""
+
+    name: ClassVar[str]  # "mlx-lm"
+    distribution: ClassVar[str]  # PyPI distribution name
+    supported: ClassVar[SpecifierSet]  # proven by the tox matrix
+    trigger_module: ClassVar[str]  # the module whose import installs the adapter
+
+    def __init__(self) -> None:
+        self.registry = PatchRegistry()
+        self.installed = False
+        self._lock = threading.Lock()
+
+    # -- to implement -------------------------------------------------------------
+    def apply(self, module: Any, patches: PatchRegistry) -> None:
+        """Patch the host through ``patches``; raise to abort (all is undone)."""
+        raise NotImplementedError
+
+    def check_identity(self, module: Any) -> str | None:
+        """Return why ``module`` is not the real host (e.g. a fork), or ``None``."""
+        return None
+
+    # -- shared ----------------------------------------------------------------------
+    def version(self) -> Version | None:
+        return installed_version(self.distribution)
+
+    def support_problem(self, module: Any = None) -> str | None:
+        """Why this host cannot be patched here, or ``None`` when it can."""
+        version = self.version()
+        if version is None:
+            return f"{self.distribution} is not installed"
+        if version not in self.supported:
+            return (
+                f"{self.distribution} {version} is outside kvplugin's supported range "
+                f"{self.supported}"
+            )
+        return self.check_identity(module) if module is not None else None
+
+    def install(self, module: Any) -> bool:
+        """Patch the host once; on an unsupported host or any error, leave it stock."""
+        with self._lock:
+            if self.installed:
+                return True
+            problem = self.support_problem(module)
+            if problem is not None:
+                say(f"{problem}; {self.name} runs stock", key=f"unsupported:{self.name}")
+                return False
+            try:
+                self.apply(module, self.registry)
+            except Exception as exc:
+                self.registry.restore_all()
+                say(
+                    f"could not patch {self.name} ({type(exc).__name__}: {exc}); "
+                    f"{self.name} runs stock",
+                    key=f"failed:{self.name}",
+                )
+                return False
+            self.installed = True
+            return True
+
+    def uninstall(self) -> None:
+        with self._lock:
+            self.registry.restore_all()
+            self.installed = False
+
+
+def wraps_original(original: Callable) -> Callable[[Callable], Callable]:
+    """``functools.wraps`` that also records the original for introspection."""
+    import functools
+
+    def deco(fn: Callable) -> Callable:
+        wrapped = functools.wraps(original)(fn)
+        wrapped.__kvplugin_original__ = original  # type: ignore[attr-defined]
+        return wrapped
+
+    return deco

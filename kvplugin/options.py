@@ -1,0 +1,115 @@
+"""argparse glue any host adapter can use.
+
+``add_options(parser)`` puts every kvplugin option on a host's parser. Where the host
+already defines an option of the same spelling (vllm-mlx has several), that action is
+*adopted* instead of added — argparse raises on duplicates — and its default is set to
+``None`` so "not given" can be told apart from "given", which flag > env > default needs.
+Adopted options lose their ``choices``: kvplugin validates (and widens, e.g. bits 2..8).
+
+``settings_from_namespace(parser, namespace)`` resolves the settings and writes every
+resolved value back into the namespace under the host's own ``dest`` so host code that
+reads its namespace sees the same values kvplugin uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvplugin.settings import KVPluginSettings, OptionInfo, option_infos, resolve_settings
+
+_DESTS_ATTR = "_kvplugin_dests"
+GROUP_TITLE = "kvplugin (KV-cache memory; every option also from its KVPLUGIN_* variable)"
+
+_TYPES = {
+    "kv_cache_quantization_bits": int,
+    "kv_cache_quantization_group_size": int,
+    "kv_cache_min_quantize_tokens": int,
+    "max_kv_size": int,
+    "kv_cache_step": int,
+    "ssd_cache_dir": Path,
+    "ssd_cache_max_gb": float,
+}
+
+
+def _help(info: OptionInfo, host_help: str | None = None) -> str:
+    text = host_help or info.help
+    allowed = f" Allowed: {info.allowed}." if info.allowed and not info.is_bool else ""
+    return f"{text}{allowed} [env: {info.env}]".replace("%", "%%")
+
+
+def add_options(
+    parser: argparse.ArgumentParser,
+    *,
+    only: Iterable[str] | None = None,
+) -> dict[str, str]:
+    """Add (or adopt) kvplugin's options on ``parser``; return ``{field: dest}``.
+
+    ``only`` restricts the fields handled (by field name). Calling twice is harmless.
+    """
+    dests: dict[str, str] = getattr(parser, _DESTS_ATTR, {})
+    wanted = set(only) if only is not None else None
+    group = None
+    for info in option_infos():
+        if (wanted is not None and info.field not in wanted) or info.field in dests:
+            continue
+        existing = parser._option_string_actions.get(info.flag)  # argparse has no public API
+        if existing is not None:
+            _adopt(existing, info)
+            dests[info.field] = existing.dest
+            continue
+        if group is None:
+            group = parser.add_argument_group(GROUP_TITLE)
+        if info.is_bool:
+            action = group.add_argument(
+                info.flag,
+                dest=info.field,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=_help(info),
+            )
+        else:
+            action = group.add_argument(
+                info.flag,
+                dest=info.field,
+                type=_TYPES[info.field],
+                default=None,
+                help=_help(info),
+            )
+        dests[info.field] = action.dest
+    setattr(parser, _DESTS_ATTR, dests)
+    return dests
+
+
+def _adopt(action: argparse.Action, info: OptionInfo) -> None:
+    """Take over a host-defined option: defaults to 'not given', kvplugin validates."""
+    action.default = None
+    action.choices = None
+    if not info.is_bool and info.field in _TYPES:
+        action.type = _TYPES[info.field]
+    action.help = _help(info, action.help if action.help != argparse.SUPPRESS else None)
+
+
+def given_flags(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> dict:
+    """The kvplugin options the user passed on the command line (field -> value)."""
+    dests: dict[str, str] = getattr(parser, _DESTS_ATTR, {})
+    return {
+        field: getattr(namespace, dest)
+        for field, dest in dests.items()
+        if getattr(namespace, dest, None) is not None
+    }
+
+
+def settings_from_namespace(
+    parser: argparse.ArgumentParser, namespace: argparse.Namespace
+) -> KVPluginSettings:
+    """Resolve settings (flag > env > default) and write them back into ``namespace``.
+
+    Raises :class:`kvplugin.settings.SettingsError` on bad input; host adapters turn it
+    into ``parser.error`` so the host exits at start-up with the message.
+    """
+    settings = resolve_settings(given_flags(parser, namespace))
+    for field, dest in getattr(parser, _DESTS_ATTR, {}).items():
+        setattr(namespace, dest, getattr(settings, field))
+    return settings
