@@ -1,0 +1,867 @@
+"""Tiered prompt store: a RAM hot tier with move-on-fetch, and a pluggable cold tier.
+
+Host-independent: imports only ``mlx.core`` and ``mlx_lm.models.cache`` classes (the
+built-in cold tier, :class:`kvplugin.cache.ssd.SSDTier`, lives in ``ssd.py`` and is
+re-exported here lazily).  Never imports a host server module.
+
+Vocabulary
+----------
+* A **cache entry** is a list of per-layer mlx-lm cache objects (``KVCache``,
+  ``QuantizedKVCache``, ``RotatingKVCache``, ...), exactly what ``make_prompt_cache``
+  returns.  Its **key** is ``(model_key, tuple(tokens))``.  The store assumes the
+  entry holds exactly ``len(tokens)`` positions (layer ``offset == len(tokens)``), the
+  same assumption mlx-lm's ``LRUPromptCache`` makes when it trims.
+* **Trimmable** entry: every layer's ``is_trimmable()`` is true.  **Copyable** prefix:
+  trimmable *and* every layer is of a kind whose first ``n`` positions can be copied
+  (``KVCache``, ``QuantizedKVCache``, ``RotatingKVCache`` while ``offset < max_size``,
+  ``ChunkedKVCache`` if ``n >= start_position``, ``ConcatenateKVCache``, and
+  ``CacheList`` of those; subclasses too, if their extra instance attributes are
+  plain scalars).
+
+Ownership
+---------
+``insert`` hands ownership of the cache to the store; the caller must not touch it
+afterwards.  Nothing is copied at insert.  ``fetch`` hands ownership back.
+
+Hot tier
+--------
+* Per ``model_key`` a radix (path-compressed) trie over token tuples: insert, remove
+  and lookup cost O(len(tokens)); nothing scans all entries or bytes.
+* One global LRU order over all model keys.  ``insert`` and a copy-hit (below) make
+  an entry most-recently used.
+* Entries are priced at insert by ``nbytes`` (default :func:`cache_nbytes` = sum of
+  the layers' ``nbytes``, i.e. the real bytes held, spare capacity included).
+  After an insert the store evicts LRU entries while ``nbytes > max_bytes`` or
+  ``len > max_entries``; the entry just inserted is never evicted by its own insert.
+* An entry with ``nbytes > max_bytes`` (or any entry when ``max_entries == 0``)
+  never enters the hot tier: it goes straight to the cold tier (``insert`` returns
+  the cold tier's verdict), or, without one, is rejected (``rejected`` counter,
+  ``insert`` returns False).  Nothing is evicted for it.
+* Inserting a key that is already stored replaces the old entry (``replaced``).
+  Inserting a *trimmable* entry removes stored entries whose tokens are a strict
+  prefix of it on the same model (``superseded``): the longer entry can serve them
+  by a prefix copy (mlx-lm ``LRUPromptCache`` does the same).  Inserting a cache
+  whose first layer object is already stored under another key moves it to the new
+  key (one object is never held by two entries).  None of these is an eviction:
+  no ``on_evict``, no spill.
+
+Fetch (longest prefix, move semantics)
+--------------------------------------
+``fetch(model_key, tokens) -> (cache | None, n)``.  ``n`` is the number of leading
+request tokens the returned cache holds; the caller processes ``tokens[n:]``.
+Always ``1 <= n <= len(tokens) - 1`` on a hit (so a request of < 2 tokens always
+misses): at least one token is left to feed the model, as mlx-lm's "longer entry"
+path does with ``prefix = min(len(tokens) - 1, common)``.  (Stock
+``fetch_nearest_cache`` returns an empty rest on an exact hit in 0.31.3/0.32.2,
+which ``stream_generate`` rejects; we trim one token instead.)
+
+1. *Prefix hit, moved.*  The longest stored key that is a prefix of the request:
+   * strictly shorter than the request: the entry is **removed** from the store and
+     its cache object (the very same list and arrays, no deepcopy) is returned,
+     ``n = len(key)``;
+   * equal to the request: only if trimmable; it is removed, trimmed by one token
+     (``layer.trim(1)``), ``n = len(tokens) - 1``.  A non-trimmable exact entry is
+     left stored and the next shorter prefix entry is considered instead.
+2. *Common-prefix hit, copied.*  If a stored key diverges from (or extends) the
+   request after ``c`` common tokens and ``min(c, len(tokens) - 1)`` beats the best
+   move candidate, that entry **stays stored** for its owner and the caller gets
+   fresh arrays holding just the first ``n = min(c, len(tokens) - 1)`` positions
+   (``mx.array(x[..., :n, :])`` + ``mx.eval``; no buffer is shared with the stored
+   entry).  Only for copyable entries, otherwise this candidate is ignored.  Among
+   several entries below the divergence point the first one found on a descent of
+   the trie is used.  Ties between a move and a copy go to the move.
+3. Otherwise a miss ``(None, 0)``.
+
+The caller gives the (updated) cache back with ``insert`` after generation.  Because
+a fetch moves the entry out, a second concurrent fetch of the same prefix while the
+first caller holds it gets a miss, or whatever shorter/other entry is still stored
+(possibly a copy from another conversation's entry).  A returned buffer is never
+referenced by a stored entry or by another caller, so the first in-place decode
+write does not double memory (unlike ``copy.deepcopy``, see HOSTS.md 1.6).
+
+Cold tier
+---------
+Every hot eviction (budget, ``max_entries``, ``trim_to``) is first reported to
+``on_evict(entry)`` (with or without a cold tier).  ``cold=None`` is oMLX's
+``hot_cache_only``: evicted entries are then dropped and counted in ``discarded``;
+nothing is written anywhere, no directory is created.  With a cold tier:
+
+* each evicted entry is then given to ``cold.put`` (``spills``; a refused or failed
+  put counts in ``discarded``).  Callbacks and cold I/O run in the calling thread
+  but **outside** the store lock, so other threads keep using the hot tier
+  meanwhile; an entry being spilled is briefly in neither tier (a miss, never an
+  error).
+* ``fetch`` asks the cold tier when its ``probe`` (optional method) promises more
+  tokens than the best hot candidate, or, for tiers without ``probe``, only on a
+  hot miss.  A cold hit is handed to the caller (``cold_hits``; for ``SSDTier`` a
+  prefix hit consumes the file, i.e. it is promoted to the caller, who re-inserts it
+  into the hot tier after generation).  If the cold tier returns a cache covering
+  the whole request, it is trimmed by one token when trimmable; otherwise it is
+  inserted into the hot tier and the fetch continues with the hot tier.
+* Errors in the cold tier are logged and treated as misses / failed spills.
+
+Thread safety
+-------------
+Every public method takes the store's single lock for all index/LRU/counter work.
+Prefix copies are made under the lock (so a concurrent move cannot change the
+source mid-copy).  Cold-tier I/O and ``on_evict`` run outside the lock (above).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol, Sequence, runtime_checkable
+
+import mlx.core as mx
+from mlx_lm.models import cache as _mlc
+
+if TYPE_CHECKING:  # re-exported lazily by __getattr__ at the bottom
+    from .ssd import SSDTier
+
+__all__ = [
+    "ColdTier",
+    "PromptStore",
+    "SSDTier",
+    "StoreEntry",
+    "StoreStats",
+    "cache_nbytes",
+    "can_copy_prefix",
+    "copy_prefix",
+    "is_trimmable",
+    "to_key",
+]
+
+log = logging.getLogger("kvplugin.cache")
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class StoreEntry:
+    """One hot-tier entry; passed to ``on_evict``."""
+
+    model_key: Hashable
+    tokens: tuple  # tuple[int, ...]
+    cache: list
+    nbytes: int
+
+
+@dataclass
+class StoreStats:
+    """Counters of a :class:`PromptStore` (a snapshot).
+
+    entries/bytes: hot tier now.  stored: inserts that entered the hot tier.
+    hits/misses: fetches.  moved/copied/cold_hits: how hits were served (hits =
+    moved + copied + cold_hits).  tokens_reused: sum of ``n`` over hits.
+    evictions: LRU evictions from the hot tier (budget, max_entries, trim_to).
+    spills: evicted or oversized entries accepted by the cold tier.  discarded:
+    evicted entries not kept anywhere (no cold tier, or it refused).  rejected:
+    inserts kept nowhere (empty, or oversized and no cold tier took it).
+    replaced/superseded: see module docstring.  bytes_by_kind: hot bytes per layer
+    class name.  cold_entries/cold_bytes: from the cold tier if it exposes
+    ``__len__``/``nbytes`` (else -1).
+    """
+
+    entries: int
+    bytes: int
+    stored: int
+    hits: int
+    misses: int
+    evictions: int
+    spills: int
+    cold_hits: int
+    discarded: int
+    moved: int = 0
+    copied: int = 0
+    tokens_reused: int = 0
+    rejected: int = 0
+    replaced: int = 0
+    superseded: int = 0
+    bytes_by_kind: dict = field(default_factory=dict)
+    cold_entries: int = -1
+    cold_bytes: int = -1
+
+
+@runtime_checkable
+class ColdTier(Protocol):
+    """What a cold-storage plugin implements.  All methods must be thread-safe.
+
+    ``put(model_key, tokens, cache) -> bool``: keep a copy of ``cache`` (the store
+    drops its reference after the call); False if refused.  Must not keep
+    references to the arrays past the call unless it owns them.
+
+    ``fetch(model_key, tokens) -> (cache, n) | None``: a cache holding exactly
+    ``tokens[:n]``, ``1 <= n <= len(tokens)``, that no one else references (the
+    caller will write into it).  Normally the longest stored prefix of ``tokens``.
+    Whether the stored copy is consumed is the tier's choice (``SSDTier``: a prefix
+    hit consumes the file, a common-prefix copy keeps it).
+
+    ``close()``: release resources; further calls may fail.
+
+    Optional ``probe(model_key, tokens) -> int``: without I/O, the ``n`` that
+    ``fetch`` would return now (0 if none).  Lets the store prefer a better cold
+    entry over a weaker hot one.
+    """
+
+    def put(self, model_key: str, tokens: Sequence[int], cache: list) -> bool: ...
+
+    def fetch(self, model_key: str, tokens: Sequence[int]) -> tuple[list, int] | None: ...
+
+    def close(self) -> None: ...
+
+
+# ------------------------------------------------------------------- cache helpers
+
+
+def to_key(tokens: Iterable[int] | Any) -> tuple:
+    """Token sequence (list, tuple, ``mx.array``, numpy array) -> tuple of ints."""
+    if isinstance(tokens, mx.array):
+        tokens = tokens.reshape(-1).tolist()
+    elif hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):
+        tokens = tokens.tolist()
+    return tuple(map(int, tokens))
+
+
+def _arrays_in(obj, depth: int = 0):
+    if isinstance(obj, mx.array):
+        yield obj
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _arrays_in(x, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _arrays_in(x, depth + 1)
+
+
+def _layer_nbytes(layer) -> int:
+    try:
+        return int(layer.nbytes)
+    except Exception:  # no/abstract nbytes: count the arrays it holds
+        return sum(a.nbytes for a in _arrays_in(getattr(layer, "__dict__", {})))
+
+
+def cache_nbytes(cache: list) -> int:
+    """Real bytes held by a cache entry: sum of the layers' ``nbytes`` (for
+    ``KVCache`` that is the allocated capacity, not just ``offset``)."""
+    return sum(_layer_nbytes(c) for c in cache)
+
+
+def is_trimmable(cache: list) -> bool:
+    """True if every layer can be trimmed (mlx-lm ``can_trim_prompt_cache``)."""
+    try:
+        return bool(cache) and all(c.is_trimmable() for c in cache)
+    except Exception:
+        return False
+
+
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _kind_of(layer) -> str | None:
+    """Name of the mlx-lm base class whose layout ``layer`` has (None: unknown)."""
+    for name in (
+        "CacheList",
+        "QuantizedKVCache",
+        "RotatingKVCache",
+        "ChunkedKVCache",
+        "KVCache",
+        "ConcatenateKVCache",
+        "ArraysCache",
+    ):
+        cls = getattr(_mlc, name, None)
+        if cls is not None and isinstance(layer, cls):
+            return name
+    return None
+
+
+# array-holding (and scalar) attributes each kind is known to have
+KNOWN_FIELDS = {
+    "KVCache": ("keys", "values", "offset"),
+    "ConcatenateKVCache": ("keys", "values", "offset"),
+    "QuantizedKVCache": ("keys", "values", "offset", "group_size", "bits"),
+    "RotatingKVCache": ("keys", "values", "offset", "keep", "max_size", "_idx"),
+    "ChunkedKVCache": ("keys", "values", "offset", "chunk_size", "start_position"),
+    "ArraysCache": ("cache", "left_padding", "lengths"),
+    "CacheList": ("caches",),
+}
+
+
+def extra_scalars(layer, kind: str) -> dict | None:
+    """Instance attributes beyond ``KNOWN_FIELDS[kind]`` (e.g. an instance ``step``).
+    None if any of them is not a plain scalar (then the layer is not portable)."""
+    known = KNOWN_FIELDS[kind]
+    extra = {}
+    for k, v in getattr(layer, "__dict__", {}).items():
+        if k in known:
+            continue
+        if not isinstance(v, _SCALARS):
+            return None
+        extra[k] = v
+    return extra
+
+
+def _seq_prefix(x, n: int):
+    """Fresh arrays holding positions ``[:n]`` along axis -2 of x (array or list)."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(mx.array(a[..., :n, :]) for a in x)
+    return mx.array(x[..., :n, :])
+
+
+def _copy_layer(layer, n: int):
+    kind = _kind_of(layer)
+    if kind is None or kind == "ArraysCache":
+        return None
+    if not layer.is_trimmable():
+        return None
+    extra = extra_scalars(layer, kind)
+    if extra is None:
+        return None
+    new = type(layer).__new__(type(layer))
+    if kind == "CacheList":
+        kids = [_copy_layer(c, n) for c in layer.caches]
+        if any(k is None for k in kids):
+            return None
+        new.__dict__.update(extra)
+        new.caches = type(layer.caches)(kids) if isinstance(layer.caches, tuple) else kids
+        return new
+    offset = layer.offset
+    if n > offset:
+        return None
+    new.__dict__.update(extra)
+    for f in KNOWN_FIELDS[kind]:
+        if f not in ("keys", "values"):
+            setattr(new, f, getattr(layer, f))
+    if kind == "ChunkedKVCache":
+        m = n - layer.start_position
+        if m < 0:
+            return None
+    elif kind == "RotatingKVCache":
+        if layer._idx != offset:  # not in temporal order
+            return None
+        m = n
+        new._idx = n
+    else:
+        m = n
+    if layer.keys is None:
+        if n:
+            return None
+        new.keys = new.values = None
+    else:
+        new.keys = _seq_prefix(layer.keys, m)
+        new.values = _seq_prefix(layer.values, m)
+    new.offset = n
+    return new
+
+
+def can_copy_prefix(cache: list, n: int) -> bool:
+    """Cheap check whether :func:`copy_prefix` would succeed (no copying)."""
+
+    def ok(layer) -> bool:
+        kind = _kind_of(layer)
+        if kind is None or kind == "ArraysCache" or extra_scalars(layer, kind) is None:
+            return False
+        if not layer.is_trimmable():
+            return False
+        if kind == "CacheList":
+            return all(ok(c) for c in layer.caches)
+        if n > layer.offset:
+            return False
+        if kind == "ChunkedKVCache":
+            return n >= layer.start_position
+        if kind == "RotatingKVCache":
+            return layer._idx == layer.offset
+        return True
+
+    try:
+        return bool(cache) and n >= 1 and all(ok(c) for c in cache)
+    except Exception:
+        return False
+
+
+def copy_prefix(cache: list, n: int) -> list | None:
+    """A new cache entry holding the first ``n`` positions of ``cache`` in fresh,
+    exact-size, evaluated arrays (no buffer shared with ``cache``).  None if some
+    layer kind cannot be copied that way."""
+    try:
+        out = [_copy_layer(c, n) for c in cache]
+    except Exception:
+        log.debug("copy_prefix failed", exc_info=True)
+        return None
+    if not out or any(c is None for c in out):
+        return None
+    mx.eval(list(_arrays_in([c.__dict__ for c in _flat_layers(out)])))
+    return out
+
+
+def _flat_layers(cache):
+    for c in cache:
+        if _kind_of(c) == "CacheList":
+            yield from _flat_layers(c.caches)
+        else:
+            yield c
+
+
+# ------------------------------------------------------------------- radix trie
+
+
+class _Node:
+    __slots__ = ("edge", "children", "value")
+
+    def __init__(self, edge: tuple = ()):
+        self.edge = edge
+        self.children: dict = {}
+        self.value = None
+
+
+def _common(edge: tuple, key: tuple, pos: int) -> int:
+    """Length of the common prefix of ``edge`` and ``key[pos:]``."""
+    n = min(len(edge), len(key) - pos)
+    if key[pos : pos + n] == edge[:n]:
+        return n
+    i = 0
+    step = 256
+    while i + step <= n and key[pos + i : pos + i + step] == edge[i : i + step]:
+        i += step
+    while i < n and key[pos + i] == edge[i]:
+        i += 1
+    return i
+
+
+class PrefixTrie:
+    """Radix trie mapping token tuples to values; all operations O(len(key)).
+
+    Compact invariant: every non-root node without a value has >= 2 children.
+    """
+
+    def __init__(self):
+        self.root = _Node()
+        self.size = 0
+
+    def __len__(self):
+        return self.size
+
+    def insert(self, key: tuple, value):
+        """Set ``key`` to ``value``; return the previous value (or None)."""
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                leaf = _Node(key[pos:])
+                node.children[key[pos]] = leaf
+                node, pos = leaf, len(key)
+                break
+            m = _common(child.edge, key, pos)
+            if m < len(child.edge):  # split the edge
+                mid = _Node(child.edge[:m])
+                child.edge = child.edge[m:]
+                mid.children[child.edge[0]] = child
+                node.children[key[pos]] = mid
+                child = mid
+            node, pos = child, pos + m
+        old = node.value
+        node.value = value
+        if old is None:
+            self.size += 1
+        return old
+
+    def _path(self, key: tuple):
+        path, node, pos = [self.root], self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None or _common(child.edge, key, pos) < len(child.edge):
+                return None
+            node, pos = child, pos + len(child.edge)
+            path.append(node)
+        return path
+
+    def get(self, key: tuple):
+        path = self._path(key)
+        return None if path is None else path[-1].value
+
+    def remove(self, key: tuple):
+        """Remove ``key``; return its value (None if absent)."""
+        path = self._path(key)
+        if path is None or path[-1].value is None:
+            return None
+        node = path[-1]
+        value, node.value = node.value, None
+        self.size -= 1
+        if len(path) >= 2:
+            self._compact(path[-2], node)
+        if len(path) >= 3:
+            self._compact(path[-3], path[-2])
+        return value
+
+    @staticmethod
+    def _compact(parent: _Node, node: _Node):
+        if node.value is not None or parent.children.get(node.edge[0]) is not node:
+            return
+        if not node.children:
+            del parent.children[node.edge[0]]
+        elif len(node.children) == 1:
+            (child,) = node.children.values()
+            child.edge = node.edge + child.edge
+            parent.children[node.edge[0]] = child
+
+    def search(self, key: tuple):
+        """Walk ``key``.  Returns ``(prefixes, deep_len, deep_node, deep_self)``:
+        ``prefixes`` = [(length, value)] for stored keys that are prefixes of
+        ``key`` (shortest first); every value in ``deep_node``'s subtree (itself
+        included iff ``deep_self``) that is not in ``prefixes`` shares exactly
+        ``deep_len`` leading tokens with ``key`` (or extends ``key`` when
+        ``deep_len == len(key)``)."""
+        prefixes = []
+        node, pos = self.root, 0
+        while True:
+            if node.value is not None:
+                prefixes.append((pos, node.value))
+            if pos == len(key):
+                return prefixes, pos, node, False
+            child = node.children.get(key[pos])
+            if child is None:
+                return prefixes, pos, node, False
+            m = _common(child.edge, key, pos)
+            if m < len(child.edge):
+                return prefixes, pos + m, child, True
+            node, pos = child, pos + m
+
+    @staticmethod
+    def any_below(node: _Node, include_self: bool):
+        """Some value in ``node``'s subtree (first found descending), or None."""
+        if include_self and node.value is not None:
+            return node.value
+        while node.children:
+            node = next(iter(node.children.values()))
+            if node.value is not None:
+                return node.value
+        return None
+
+    def prefixes_of(self, key: tuple):
+        """[(length, value)] of stored strict prefixes of ``key``."""
+        prefixes, *_ = self.search(key)
+        return [(n, v) for n, v in prefixes if n < len(key)]
+
+
+def choose(trie: PrefixTrie, key: tuple, *, trimmable, copyable):
+    """Pick the best candidate for a request (shared by hot and cold tiers).
+
+    ``trimmable(value) -> bool``; ``copyable(value, n) -> bool``.  Returns None or
+    ``(mode, value, n)`` with mode "move" (value's key is a prefix of ``key``; if
+    its length equals ``len(key)`` the caller must trim one token) or "copy" (copy
+    the first ``n`` positions).  ``1 <= n <= len(key) - 1`` always.
+    """
+    cap = len(key) - 1
+    if cap < 1:
+        return None
+    prefixes, deep_len, deep_node, deep_self = trie.search(key)
+    best = None
+    for plen, value in reversed(prefixes):
+        if plen <= cap:
+            best = ("move", value, plen)
+            break
+        if trimmable(value):  # exact match: move it and trim one token
+            best = ("move", value, cap)
+            break
+    n = min(deep_len, cap)
+    if n >= 1 and n > (best[2] if best else 0):
+        value = PrefixTrie.any_below(deep_node, deep_self)
+        if value is not None and copyable(value, n):
+            best = ("copy", value, n)
+    return best
+
+
+# ------------------------------------------------------------------- the store
+
+
+class PromptStore:
+    """Tiered prompt store; see the module docstring for the exact semantics.
+
+    ``max_bytes``: hot-tier budget in bytes (priced per entry at insert).
+    ``max_entries``: optional hot-tier entry cap (0: nothing is kept hot).
+    ``cold``: optional :class:`ColdTier` receiving evicted/oversized entries.
+    ``on_evict``: observer called with each evicted :class:`StoreEntry` (outside
+    the lock, before the spill; exceptions are logged and ignored).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int,
+        max_entries: int | None = None,
+        cold: ColdTier | None = None,
+        on_evict: Callable[[StoreEntry], None] | None = None,
+    ):
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        if max_entries is not None and max_entries < 0:
+            raise ValueError("max_entries must be >= 0 or None")
+        self.max_bytes = int(max_bytes)
+        self.max_entries = max_entries
+        self.cold = cold
+        self.on_evict = on_evict
+        self._lock = threading.RLock()
+        self._tries: dict[Hashable, PrefixTrie] = {}
+        self._lru: OrderedDict = OrderedDict()  # (model_key, key) -> StoreEntry
+        self._owner: dict[int, StoreEntry] = {}  # id(first layer) -> entry holding it
+        self._nbytes = 0
+        self._c = dict.fromkeys(
+            (
+                "stored hits misses evictions spills cold_hits discarded moved copied "
+                "tokens_reused rejected replaced superseded"
+            ).split(),
+            0,
+        )
+
+    # ---------------------------------------------------------------- basics
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the hot tier (sum of the entries' prices)."""
+        with self._lock:
+            return self._nbytes
+
+    def stats(self) -> StoreStats:
+        """Snapshot of the counters (see :class:`StoreStats`)."""
+        with self._lock:
+            by_kind: dict[str, int] = {}
+            for e in self._lru.values():
+                for layer in e.cache:
+                    name = type(layer).__name__
+                    by_kind[name] = by_kind.get(name, 0) + _layer_nbytes(layer)
+            s = StoreStats(entries=len(self._lru), bytes=self._nbytes, bytes_by_kind=by_kind, **self._c)
+        cold = self.cold
+        if cold is not None:
+            try:
+                s.cold_entries = len(cold)  # type: ignore[arg-type]
+                s.cold_bytes = int(cold.nbytes)  # type: ignore[attr-defined]
+            except Exception:
+                pass
+        return s
+
+    def close(self) -> None:
+        """Close the cold tier (hot entries are simply dropped with the store)."""
+        if self.cold is not None:
+            self.cold.close()
+
+    # ---------------------------------------------------------------- internals
+
+    def _remove(self, entry: StoreEntry) -> None:
+        self._tries[entry.model_key].remove(entry.tokens)
+        if not self._tries[entry.model_key].size:
+            del self._tries[entry.model_key]
+        del self._lru[(entry.model_key, entry.tokens)]
+        if self._owner.get(id(entry.cache[0])) is entry:
+            del self._owner[id(entry.cache[0])]
+        self._nbytes -= entry.nbytes
+
+    def _evict_until(self, n_bytes: int, n_entries: int, keep=None) -> list:
+        out = []
+        while self._lru and (self._nbytes > n_bytes or len(self._lru) > n_entries):
+            entry = next(iter(self._lru.values()))
+            if entry is keep:
+                break
+            self._remove(entry)
+            out.append(entry)
+        self._c["evictions"] += len(out)
+        return out
+
+    def _dispose(self, evicted: list) -> None:
+        """Outside the lock: observer hook, then spill or discard."""
+        evicted.reverse()
+        while evicted:
+            entry = evicted.pop()  # release each entry as soon as it is handled
+            if self.on_evict is not None:
+                try:
+                    self.on_evict(entry)
+                except Exception:
+                    log.exception("kvplugin: on_evict hook failed")
+            ok = self.cold is not None and self._cold_put(entry.model_key, entry.tokens, entry.cache)
+            with self._lock:
+                self._c["spills" if ok else "discarded"] += 1
+        entry = None
+
+    def _cold_put(self, model_key, key, cache) -> bool:
+        try:
+            return bool(self.cold.put(model_key, key, cache))
+        except Exception:
+            log.exception("kvplugin: cold tier put failed")
+            return False
+
+    def _plan(self, model_key, key):
+        trie = self._tries.get(model_key)
+        if trie is None:
+            return None
+        return choose(
+            trie,
+            key,
+            trimmable=lambda e: is_trimmable(e.cache),
+            copyable=lambda e, n: can_copy_prefix(e.cache, n),
+        )
+
+    def _execute(self, plan):
+        """Under the lock: serve a hot plan.  Returns (cache, n) or None."""
+        mode, entry, n = plan
+        if mode == "move":
+            self._remove(entry)
+            extra = len(entry.tokens) - n
+            if extra:
+                for layer in entry.cache:
+                    layer.trim(extra)
+            self._c["moved"] += 1
+            return entry.cache, n
+        cache = copy_prefix(entry.cache, n)
+        if cache is None:
+            return None
+        self._lru.move_to_end((entry.model_key, entry.tokens))
+        self._c["copied"] += 1
+        return cache, n
+
+    def _hit(self, n: int) -> None:
+        self._c["hits"] += 1
+        self._c["tokens_reused"] += n
+
+    # ---------------------------------------------------------------- API
+
+    def insert(
+        self, model_key: str, tokens: Sequence[int], cache: list, *, nbytes: int | None = None
+    ) -> bool:
+        """Store ``cache`` (ownership passes to the store) under ``tokens``.
+
+        Returns True if the entry is now kept (hot tier, or cold tier for an
+        oversized entry), False if it was rejected.  May evict (and spill) LRU
+        entries; that work happens before returning, in this thread.
+        """
+        key = to_key(tokens)
+        if not key or not cache:
+            with self._lock:
+                self._c["rejected"] += 1
+            return False
+        price = cache_nbytes(cache) if nbytes is None else int(nbytes)
+        entry = StoreEntry(model_key, key, cache, price)
+        evicted: list = []
+        with self._lock:
+            hot = price <= self.max_bytes and self.max_entries != 0
+            held = self._owner.get(id(cache[0]))
+            if held is not None and (held.model_key, held.tokens) != (model_key, key):
+                self._remove(held)  # same cache object re-inserted under a new key
+            if hot:
+                trie = self._tries.get(model_key)
+                if trie is None:
+                    trie = self._tries[model_key] = PrefixTrie()
+                old = trie.insert(key, entry)
+                if old is not None:
+                    del self._lru[(model_key, key)]
+                    if self._owner.get(id(old.cache[0])) is old:
+                        del self._owner[id(old.cache[0])]
+                    self._nbytes -= old.nbytes
+                    if old.cache[0] is not cache[0]:
+                        self._c["replaced"] += 1
+                self._lru[(model_key, key)] = entry
+                self._owner[id(cache[0])] = entry
+                self._nbytes += price
+                self._c["stored"] += 1
+                if is_trimmable(cache):
+                    for _, prev in trie.prefixes_of(key):
+                        if prev.cache[0] is not cache[0]:
+                            self._c["superseded"] += 1
+                        self._remove(prev)
+                n_entries = self.max_entries if self.max_entries is not None else 1 << 62
+                evicted = self._evict_until(self.max_bytes, n_entries, keep=entry)
+        self._dispose(evicted)
+        if hot:
+            return True
+        ok = self.cold is not None and self._cold_put(model_key, key, cache)
+        with self._lock:
+            self._c["spills" if ok else "rejected"] += 1
+        return ok
+
+    def fetch(self, model_key: str, tokens: Sequence[int]) -> tuple[list | None, int]:
+        """Longest-prefix lookup with move semantics; ``(cache, n)`` or ``(None, 0)``.
+
+        The returned cache holds ``tokens[:n]`` and is owned by the caller;
+        ``1 <= n < len(tokens)``.  See the module docstring.
+        """
+        key = to_key(tokens)
+        cold = self.cold
+        with self._lock:
+            plan = self._plan(model_key, key)
+            hot_n = plan[2] if plan else 0
+            want_cold = False
+            if cold is not None and len(key) >= 2:
+                probe = getattr(cold, "probe", None)
+                if probe is None:
+                    want_cold = plan is None
+                else:
+                    try:
+                        want_cold = min(int(probe(model_key, key)), len(key) - 1) > hot_n
+                    except Exception:
+                        log.exception("kvplugin: cold tier probe failed")
+            if not want_cold:
+                got = self._execute(plan) if plan else None
+                if got is None:
+                    self._c["misses"] += 1
+                    return None, 0
+                self._hit(got[1])
+                return got
+        got = self._fetch_cold(model_key, key)
+        with self._lock:
+            if got is not None:
+                self._hit(got[1])
+                self._c["cold_hits"] += 1
+                return got
+            plan = self._plan(model_key, key)
+            got = self._execute(plan) if plan else None
+            if got is None:
+                self._c["misses"] += 1
+                return None, 0
+            self._hit(got[1])
+            return got
+
+    def _fetch_cold(self, model_key, key):
+        """Outside the lock.  (cache, n) with 1 <= n < len(key), or None."""
+        try:
+            got = self.cold.fetch(model_key, key)
+        except Exception:
+            log.exception("kvplugin: cold tier fetch failed")
+            return None
+        if not got:
+            return None
+        cache, n = got
+        if not cache or not 1 <= n <= len(key):
+            return None
+        if n == len(key):
+            if is_trimmable(cache):
+                for layer in cache:
+                    layer.trim(1)
+                n -= 1
+            else:  # nothing left to process: keep it hot, let the hot tier answer
+                self.insert(model_key, key, cache)
+                return None
+        return (cache, n) if n >= 1 else None
+
+    def trim_to(self, *, n_bytes: int | None = None, n_entries: int | None = None) -> None:
+        """Evict LRU hot entries until ``nbytes <= n_bytes`` and ``len <= n_entries``
+        (None: no limit on that axis).  Evicted entries go through ``on_evict`` and
+        spill like any eviction."""
+        with self._lock:
+            evicted = self._evict_until(
+                max(0, n_bytes) if n_bytes is not None else 1 << 62,
+                max(0, n_entries) if n_entries is not None else 1 << 62,
+            )
+        self._dispose(evicted)
+
+
+def __getattr__(name):  # lazy re-export, avoids a circular import with ssd.py
+    if name == "SSDTier":
+        from .ssd import SSDTier
+
+        return SSDTier
+    raise AttributeError(name)
