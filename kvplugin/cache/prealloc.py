@@ -1,0 +1,278 @@
+"""Pre-allocated KV caches: a bounded rotating cache that never grows, and stepped KVCaches.
+
+Why: mlx-lm's ``KVCache`` and ``RotatingKVCache`` grow by concatenating 256 zero slots, so every
+growth step holds the old and the new buffer at once (2x transient, a ~30 ms spike per step at
+128 MiB), and a multi-token prefill makes ``RotatingKVCache`` keep up to ``max_size + L - 1``
+slots. :class:`PreallocatedRotatingKVCache` allocates its ``max_size`` slots once, on first use,
+writes in place afterwards, and after every update keeps exactly ``max_size`` slots, while
+returning to attention exactly the keys/values (same tokens, same order) that the stock class
+returns, so attention outputs are bitwise identical.
+
+Memory: filling to the bound by one-token steps peaks at the buffer itself (stock: 2x). A chunk
+that still fits is written in place (no transient). A chunk of ``L`` tokens that wraps needs its
+attention window, ``max_size - 1 + L`` fresh slots, for as long as attention runs; we evaluate
+that window before writing the buffer so MLX can donate the buffer to the in-place write, so
+the peak is buffer + window and afterwards only the buffer stays. Stock builds the same window
+(plus a temporal-order copy when rotated) and then keeps it as its buffer.
+
+Saving/loading: ``mlx_lm.models.cache.load_prompt_cache`` resolves class names with
+``globals()[name]`` in its own module, so importing this module registers the subclass there
+(:func:`register_with_mlx_lm`, idempotent). We keep the true class name rather than saving as
+``RotatingKVCache`` because a stock ``RotatingKVCache`` loaded from our state would work but
+silently lose pre-allocation; the cost is that a process loading such a file must import this
+module first (every process kvplugin runs in does). The saved state has the stock layout (an
+exact-size prefix while ``offset < max_size``), so it is small and a stock class could read it.
+
+Imports only ``mlx.core`` and ``mlx_lm.models.cache``; works on mlx-lm 0.31.3 (``state`` +
+``meta_state``) and 0.32.x (``state`` only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.models.cache as _mlx_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+__all__ = [
+    "PreallocatedRotatingKVCache",
+    "register_with_mlx_lm",
+    "make_stepped_kv_cache",
+    "apply_growth_step",
+    "bound_cache",
+]
+
+
+def _eval_now(*arrays: mx.array) -> None:
+    """Evaluate ``arrays`` unless we are inside a function transformation (compile, vmap...).
+
+    Evaluating the attention window before writing the buffer lets MLX donate the buffer to the
+    in-place write (measured: without it the write copies the whole buffer, +max_size slots).
+    Under a transformation ``eval`` raises ``ValueError``; the lazy path is equally correct,
+    only less frugal.
+    """
+    try:
+        mx.eval(*arrays)
+    except ValueError:  # pragma: no cover - only inside mx.compile / mx.vmap
+        pass
+
+
+class PreallocatedRotatingKVCache(RotatingKVCache):
+    """``RotatingKVCache(max_size, keep)`` whose buffer is ``max_size`` slots, allocated once.
+
+    Layout invariant (the one the stock class reaches after a one-token update, which is why
+    ``make_mask``, ``_temporal_order``, ``trim``, ``size``, ``nbytes`` and batch ``merge`` work
+    unchanged): while ``offset < max_size`` slots ``[0, offset)`` hold the tokens in order and
+    ``_idx == offset``; once full, ``[0, keep)`` hold the first ``keep`` tokens and
+    ``[keep, max_size)`` a ring whose next write position is ``_idx`` (``max_size`` = wrap next).
+
+    After a multi-token chunk of ``L`` tokens the stock class keeps the chunk's whole attention
+    window (up to ``max_size + L - 1`` slots); its next update would cut that down to ``keep`` +
+    the newest ``max_size - keep`` tokens in temporal order, so we store exactly that right away
+    with ``_idx = max_size``: later results are the same, the memory is not.
+    """
+
+    def __init__(self, max_size: int, keep: int = 0):
+        if max_size < 1 or not 0 <= keep < max_size:
+            raise ValueError(f"need max_size >= 1 and 0 <= keep < max_size, got {max_size}, {keep}")
+        super().__init__(max_size, keep)
+
+    # -- buffer management -------------------------------------------------------------
+    def _allocate(self, keys: mx.array, values: mx.array, dtype: Any = None) -> None:
+        B, H, _, Dk = keys.shape
+        Dv = values.shape[3]
+        self.keys = mx.zeros((B, H, self.max_size, Dk), dtype or keys.dtype)
+        self.values = mx.zeros((B, H, self.max_size, Dv), dtype or values.dtype)
+
+    def _ensure_buffer(self, keys: mx.array, values: mx.array) -> None:
+        """Have a ``max_size``-slot buffer: allocate once; adopt a loaded/stock-layout state."""
+        if self.keys is None:
+            self._allocate(keys, values)
+            self._idx = 0
+            return
+        if self.keys.shape[2] == self.max_size:
+            return
+        # State set from elsewhere (a trimmed/loaded entry, a stock cache's state): move it once
+        # into a full buffer, in temporal order, as the stock class's next update would.
+        old_k = self._temporal_order(self.keys)
+        old_v = self._temporal_order(self.values)
+        n = old_k.shape[2]
+        if n > self.max_size:
+            tail = n - (self.max_size - self.keep)
+            old_k = mx.concatenate([old_k[..., : self.keep, :], old_k[..., tail:, :]], axis=2)
+            old_v = mx.concatenate([old_v[..., : self.keep, :], old_v[..., tail:, :]], axis=2)
+            n = self.max_size
+        self._allocate(old_k, old_v, old_k.dtype)
+        self.keys[..., :n, :] = old_k
+        self.values[..., :n, :] = old_v
+        self._idx = n
+
+    def _window(self, v: mx.array) -> list[mx.array]:
+        """The stored window in temporal order, cut to ``max_size - 1`` tokens, as views.
+
+        That is what the stock class puts before a chunk: every new token then sees at least
+        ``max_size`` tokens (itself included) and the mask trims the rest.
+        """
+        if self.offset < self.max_size:
+            return [v[..., : self.offset, :]]
+        keep, idx = self.keep, self._idx
+        if idx >= self.max_size:  # ring in order; drop its oldest slot (keep)
+            pieces = [v[..., :keep, :], v[..., keep + 1 :, :]]
+        else:  # oldest at idx
+            pieces = [v[..., :keep, :], v[..., idx + 1 :, :], v[..., keep:idx, :]]
+        return [p for p in pieces if p.shape[2] > 0]
+
+    def _store_last(self, k_all: mx.array, v_all: mx.array) -> None:
+        """Keep ``keep`` + the newest ``max_size - keep`` tokens of a temporal-order window."""
+        total = k_all.shape[2]
+        tail = total - (self.max_size - self.keep)
+        if self.keep:
+            self.keys[..., : self.keep, :] = k_all[..., : self.keep, :]
+            self.values[..., : self.keep, :] = v_all[..., : self.keep, :]
+        self.keys[..., self.keep :, :] = k_all[..., tail:, :]
+        self.values[..., self.keep :, :] = v_all[..., tail:, :]
+        self._idx = self.max_size
+
+    # -- updates -----------------------------------------------------------------------
+    def _update_concat(self, keys: mx.array, values: mx.array):
+        S = keys.shape[2]
+        first = self.keys is None
+        self._ensure_buffer(keys, values)
+        if first:
+            # Stock returns the chunk itself; we do too and store what will stay visible.
+            if S <= self.max_size:
+                self.keys[..., :S, :] = keys
+                self.values[..., :S, :] = values
+                self._idx = S
+            else:
+                self._store_last(keys, values)
+            self.offset += S
+            return keys, values
+        n = min(self.offset, self.max_size)
+        if self.offset < self.max_size and n + S <= self.max_size:
+            # Fits without wrapping: write in place, return views (stock: concat, same data).
+            self.keys[..., n : n + S, :] = keys
+            self.values[..., n : n + S, :] = values
+            self.offset += S
+            self._idx = n + S
+            return self.keys[..., : n + S, :], self.values[..., : n + S, :]
+        # Wraps: the attention window must exceed max_size for this chunk; build it fresh,
+        # then keep only its last max_size-worth in the buffer.
+        k_all = mx.concatenate(self._window(self.keys) + [keys], axis=2)
+        v_all = mx.concatenate(self._window(self.values) + [values], axis=2)
+        _eval_now(k_all, v_all)
+        self._store_last(k_all, v_all)
+        self.offset += S
+        return k_all, v_all
+
+    def _update_in_place(self, keys: mx.array, values: mx.array):
+        S = keys.shape[2]
+        self._ensure_buffer(keys, values)
+        idx = self.keep if self._idx >= self.max_size else self._idx
+        if idx + S > self.max_size:  # only reachable for S > 1, which stock sends to concat
+            return self._update_concat(keys, values)
+        self._idx = idx
+        self.keys[..., idx : idx + S, :] = keys
+        self.values[..., idx : idx + S, :] = values
+        self.offset += S
+        self._idx += S
+        if self.offset < self.max_size:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    # -- state: stock layout, exact-size while not full (small files, no zero slots saved) --
+    def _get_state(self):
+        state = RotatingKVCache.state.fget(self)
+        if self.keys is not None and self.offset < self.keys.shape[2]:
+            n = self.offset
+            state = (self.keys[..., :n, :], self.values[..., :n, :], *tuple(state)[2:])
+        return state
+
+    state = property(_get_state, RotatingKVCache.state.fset)
+
+
+def register_with_mlx_lm() -> None:
+    """Make ``mlx_lm.models.cache.load_prompt_cache`` (and ``CacheList``) find our class.
+
+    Both resolve saved class names through that module's ``globals()``. Idempotent; adds a
+    name and replaces nothing of mlx-lm's.
+    """
+    name = PreallocatedRotatingKVCache.__name__
+    if getattr(_mlx_cache, name, None) is not PreallocatedRotatingKVCache:
+        setattr(_mlx_cache, name, PreallocatedRotatingKVCache)
+
+
+register_with_mlx_lm()
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"growth step must be a positive integer, got {step!r}")
+    return step
+
+
+def make_stepped_kv_cache(step: int) -> KVCache:
+    """An unbounded ``KVCache`` growing ``step`` slots at a time (instance attribute ``step``).
+
+    ``KVCache.update_and_fetch`` reads ``self.step``, so the instance attribute makes the first
+    update allocate ``ceil(S/step)*step`` slots: a large step pre-allocates the expected context
+    in one go and avoids the 2x concatenation transient of every 256-slot growth.
+    """
+    cache = KVCache()
+    cache.step = _check_step(step)
+    return cache
+
+
+def apply_growth_step(cache: list, step: int) -> list:
+    """Set the growth ``step`` on every plain ``KVCache``/``QuantizedKVCache`` layer, in place.
+
+    Returns the same list (built fresh by ``make_prompt_cache``, so mutating is safe). Other
+    layer kinds do not grow by ``step`` in a way we control and are left alone.
+    """
+    step = _check_step(step)
+    for layer in cache:
+        if type(layer) in (KVCache, QuantizedKVCache):
+            layer.step = step
+    return cache
+
+
+def bound_cache(cache: list, max_kv_size: int, keep: int = 4) -> tuple[list, int]:
+    """Bound a fresh per-request cache to ``max_kv_size`` tokens per layer.
+
+    - empty plain ``KVCache`` -> ``PreallocatedRotatingKVCache(max_kv_size, keep)`` (what
+      mlx-lm's own ``--max-kv-size`` builds, ``RotatingKVCache(max_kv_size, keep=4)``, minus the
+      growth spikes);
+    - empty stock ``RotatingKVCache`` (a model's sliding-window layer) ->
+      ``PreallocatedRotatingKVCache(min(its max_size, max_kv_size), its keep)``: a window smaller
+      than the bound is the model's own and stays exactly as it was; a larger one is bounded
+      like the full-attention layers;
+    - ``PreallocatedRotatingKVCache`` and ``ArraysCache`` (fixed-size recurrent state): kept;
+    - anything else (non-empty layers, ``QuantizedKVCache``, ``ChunkedKVCache``, ``CacheList``
+      whose model code may rely on its children's exact classes, unknown kinds): kept and
+      counted.
+
+    Returns ``(new_list, n_unbounded)`` where ``n_unbounded`` counts layers whose memory can
+    still grow beyond ``max_kv_size`` tokens, so the host can warn.
+    """
+    if isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size < 1:
+        raise ValueError(f"max_kv_size must be a positive integer, got {max_kv_size!r}")
+    if not 0 <= keep < max_kv_size:
+        raise ValueError(f"keep must be in [0, max_kv_size), got {keep!r}")
+    out: list = []
+    unbounded = 0
+    for layer in cache:
+        t = type(layer)
+        if t is KVCache and layer.keys is None:
+            out.append(PreallocatedRotatingKVCache(max_kv_size, keep))
+        elif t is RotatingKVCache and layer.keys is None:
+            size = min(layer.max_size, max_kv_size)
+            out.append(PreallocatedRotatingKVCache(size, min(layer.keep, size - 1)))
+        elif isinstance(layer, RotatingKVCache) and layer.max_size <= max_kv_size:
+            out.append(layer)
+        elif isinstance(layer, ArraysCache):
+            out.append(layer)
+        else:
+            out.append(layer)
+            unbounded += 1
+    return out, unbounded

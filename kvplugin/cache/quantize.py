@@ -1,0 +1,250 @@
+"""Quantize / dequantize stored KV entries into mlx-lm's own ``QuantizedKVCache``.
+
+Why mlx-lm's class: its attention goes quantized iff the layer cache ``hasattr(cache, "bits")``
+(``models/base.py``), so an entry of ``QuantizedKVCache`` layers can be handed back to the
+sequential generation path as it is, and ``save_prompt_cache``/``load_prompt_cache`` know it.
+The batched path cannot merge quantized layers, hence :func:`dequantize_entry`.
+
+Stored size: per ``D`` fp16 values a group-``g`` ``b``-bit layer stores ``D*b/8`` packed bytes +
+``2*(D/g)`` scales/biases of 2 bytes, i.e. ``b/16 + 2/g`` of fp16 (8-bit/64: 0.53125, 4-bit/64:
+0.28125), provided the layer holds exactly ``offset`` tokens, which is why we quantize the used
+slots only (``KVCache.to_quantized`` would quantize the spare capacity too).
+
+The original dtype is the dtype of the scales (``mx.quantize`` keeps the input's), so it survives
+save/load; it is also recorded on the layer as ``kvplugin_dtype``, a dtype *name* (``"bfloat16"``):
+an ``mx.Dtype`` attribute cannot be deep-copied, and mlx-lm's prompt cache deep-copies entries.
+
+Imports only ``mlx.core`` and ``mlx_lm.models.cache``; works on mlx-lm 0.31.3 and 0.32.x.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+__all__ = [
+    "ALLOWED_BITS",
+    "ALLOWED_GROUP_SIZES",
+    "DTYPE_ATTR",
+    "QuantizeResult",
+    "validate_bits_group",
+    "head_dim_of",
+    "validate_group_size_for_model",
+    "quantize_entry",
+    "dequantize_entry",
+    "attention_roundtrip_error",
+]
+
+ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
+ALLOWED_GROUP_SIZES = (32, 64, 128)
+DTYPE_ATTR = "kvplugin_dtype"
+
+
+@dataclass
+class QuantizeResult:
+    """Outcome of :func:`quantize_entry`.
+
+    ``cache`` is a new list; ``quantized`` counts layers turned into ``QuantizedKVCache``;
+    ``skipped`` counts layers left as they were (rotating, recurrent, already quantized, empty,
+    head dimension not divisible by the group size, unknown kinds).
+    """
+
+    cache: list
+    quantized: int
+    skipped: int
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_bits_group(bits: int, group_size: int) -> None:
+    """Raise ``ValueError`` unless ``mx.quantize`` supports ``bits`` and ``group_size``."""
+    if not _is_int(bits) or bits not in ALLOWED_BITS:
+        raise ValueError(f"KV quantization bits must be one of {ALLOWED_BITS}, got {bits!r}")
+    if not _is_int(group_size) or group_size not in ALLOWED_GROUP_SIZES:
+        raise ValueError(
+            f"KV quantization group size must be one of {ALLOWED_GROUP_SIZES}, got {group_size!r}"
+        )
+
+
+def _field(obj: Any, name: str) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _pos_int(x: Any) -> int | None:
+    return x if _is_int(x) and x > 0 else None
+
+
+def head_dim_of(model: Any) -> int | None:
+    """The attention head dimension from ``model.args`` (or a nested ``text_config``).
+
+    ``head_dim`` when given, else ``hidden_size // num_attention_heads``; None when unknown
+    (then callers skip the check and :func:`quantize_entry` still checks each layer's arrays).
+    """
+    args = _field(model, "args")
+    if args is None:
+        lm = _field(model, "language_model")
+        args = _field(lm, "args") if lm is not None else None
+    for cfg in (args, _field(args, "text_config") if args is not None else None):
+        if cfg is None:
+            continue
+        head_dim = _pos_int(_field(cfg, "head_dim"))
+        if head_dim:
+            return head_dim
+        hidden, heads = (
+            _pos_int(_field(cfg, "hidden_size")),
+            _pos_int(_field(cfg, "num_attention_heads")),
+        )
+        if hidden and heads and hidden % heads == 0:
+            return hidden // heads
+    return None
+
+
+def validate_group_size_for_model(model: Any, group_size: int) -> None:
+    """Raise ``ValueError`` when ``group_size`` does not divide the model's head dimension.
+
+    ``mx.quantize`` needs the group size to divide the last dimension; a host that does not check
+    rejects every store later, silently. Does nothing when the head dimension is unknown.
+    """
+    head_dim = head_dim_of(model)
+    if head_dim is None or head_dim % group_size == 0:
+        return
+    fits = [g for g in ALLOWED_GROUP_SIZES if head_dim % g == 0]
+    advice = (
+        "use one of: " + ", ".join(map(str, fits))
+        if fits
+        else f"none of the supported group sizes {ALLOWED_GROUP_SIZES} does, so KV cache "
+        "quantization cannot be used with this model"
+    )
+    raise ValueError(
+        f"group size {group_size} does not divide the model's head dimension {head_dim}; {advice}"
+    )
+
+
+def _quantize_layer(layer: KVCache, bits: int, group_size: int) -> QuantizedKVCache:
+    n = layer.offset
+    keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
+    q = QuantizedKVCache(group_size=group_size, bits=bits)
+    q.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
+    q.values = tuple(mx.quantize(values, group_size=group_size, bits=bits))
+    q.offset = n
+    setattr(q, DTYPE_ATTR, _dtype_name(keys.dtype))
+    if "step" in vars(layer):  # a configured growth step keeps applying after reuse
+        q.step = layer.step
+    return q
+
+
+def quantize_entry(cache: list, *, bits: int, group_size: int) -> QuantizeResult:
+    """Quantize the plain ``KVCache`` layers of an entry to exact-size ``QuantizedKVCache``.
+
+    Only the ``offset`` used slots are quantized (no separate trim needed). Everything else is
+    left as it is and counted in ``skipped``: ``RotatingKVCache`` (mlx-lm cannot quantize it),
+    ``ArraysCache``/recurrent state, layers already ``QuantizedKVCache`` (e.g. from mlx-lm's
+    ``--kv-bits``; never quantized twice), empty layers, layers whose key/value last dimension
+    is not divisible by ``group_size``, and unknown kinds. The new arrays are evaluated here so
+    that dropping the fp16 entry afterwards really frees it.
+    """
+    validate_bits_group(bits, group_size)
+    out: list = []
+    fresh: list[mx.array] = []
+    quantized = skipped = 0
+    for layer in cache:
+        if (
+            type(layer) is KVCache
+            and layer.keys is not None
+            and layer.offset > 0
+            and layer.keys.shape[-1] % group_size == 0
+            and layer.values.shape[-1] % group_size == 0
+        ):
+            q = _quantize_layer(layer, bits, group_size)
+            fresh.extend(q.keys + q.values)
+            out.append(q)
+            quantized += 1
+        else:
+            out.append(layer)
+            skipped += 1
+    if fresh:
+        mx.eval(fresh)
+    return QuantizeResult(cache=out, quantized=quantized, skipped=skipped)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]  # "mlx.core.bfloat16" -> "bfloat16"
+
+
+def _original_dtype(layer: QuantizedKVCache) -> Any:
+    dtype = getattr(mx, str(getattr(layer, DTYPE_ATTR, "")), None)
+    if isinstance(dtype, mx.Dtype):
+        return dtype
+    if layer.keys is not None and len(layer.keys) > 1:
+        return layer.keys[1].dtype  # scales carry the input dtype
+    return mx.float16
+
+
+def _dequantize(parts: Any, n: int, group_size: int, bits: int, dtype: Any) -> mx.array:
+    w, scales, biases = (x[..., :n, :] for x in parts)
+    out = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    return out if out.dtype == dtype else out.astype(dtype)
+
+
+def dequantize_entry(cache: list) -> list:
+    """``QuantizedKVCache`` layers back to exact-size ``KVCache`` in their original dtype.
+
+    Other layers are returned unchanged (same objects). An empty quantized layer becomes an
+    empty ``KVCache``. The caller decides when to call this (e.g. only for entries it quantized:
+    layers from mlx-lm's ``--kv-bits`` are ``QuantizedKVCache`` too).
+    """
+    out: list = []
+    fresh: list[mx.array] = []
+    for layer in cache:
+        if type(layer) is not QuantizedKVCache:
+            out.append(layer)
+            continue
+        kv = KVCache()
+        if "step" in vars(layer):
+            kv.step = layer.step
+        if layer.keys is not None and layer.offset > 0:
+            n, dtype = layer.offset, _original_dtype(layer)
+            kv.keys = _dequantize(layer.keys, n, layer.group_size, layer.bits, dtype)
+            kv.values = _dequantize(layer.values, n, layer.group_size, layer.bits, dtype)
+            kv.offset = n
+            fresh += [kv.keys, kv.values]
+        out.append(kv)
+    if fresh:
+        mx.eval(fresh)
+    return out
+
+
+def attention_roundtrip_error(
+    keys: mx.array, values: mx.array, bits: int, group_size: int, *, num_queries: int = 8
+) -> float:
+    """Relative L2 error of attention output caused by a quantize/dequantize round trip.
+
+    ``keys``/``values`` are ``(B, H, S, D)``. A fixed-seed query block attends (no mask, fp32
+    SDPA so that only quantization error is measured) once over the given keys/values and once
+    over their dequantized versions; returns ``||o_q - o|| / ||o||``. Deterministic.
+    """
+    validate_bits_group(bits, group_size)
+    B, H, _, D = keys.shape
+    q = mx.random.normal((B, H, num_queries, D), key=mx.random.key(0))
+    scale = 1.0 / math.sqrt(D)
+
+    def attend(k: mx.array, v: mx.array) -> mx.array:
+        k, v = k.astype(mx.float32), v.astype(mx.float32)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    def roundtrip(x: mx.array) -> mx.array:
+        parts = mx.quantize(x, group_size=group_size, bits=bits)
+        return mx.dequantize(*parts, group_size=group_size, bits=bits)
+
+    ref = attend(keys, values)
+    got = attend(roundtrip(keys), roundtrip(values))
+    err = mx.sqrt(mx.sum((got - ref) ** 2)) / mx.sqrt(mx.sum(ref**2))
+    return float(err.item())
