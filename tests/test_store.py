@@ -24,12 +24,12 @@ from mlx_lm.models.cache import (
 )
 
 from kvplugin.cache import ssd as ssd_mod
+from kvplugin.cache.trim import entry_nbytes
 from kvplugin.cache.store import (
     PrefixTrie,
     PromptStore,
     SSDTier,
     StoreEntry,
-    cache_nbytes,
     choose,
 )
 
@@ -190,7 +190,7 @@ def test_supersede_and_replace():
     assert len(s) == 1 and s.stats().superseded == 1
     s.insert("m", seq(0, 9), kv(seq(0, 9)))
     assert len(s) == 1 and s.stats().replaced == 1
-    assert s.nbytes == cache_nbytes(kv(seq(0, 9)))
+    assert s.nbytes == entry_nbytes(kv(seq(0, 9)))
     # the same cache object inserted under an unrelated key is moved, never held twice
     c = kv([5, 6, 7])
     s.insert("m", [5, 6, 7], c)
@@ -222,7 +222,7 @@ def test_lcp_copy_is_independent():
     sys_prompt = seq(1000, 300)
     a = sys_prompt + seq(1, 50)
     stored = kv(a, layers=3)
-    stored_bytes = cache_nbytes(stored)
+    stored_bytes = entry_nbytes(stored)
     s.insert("m", a, stored)
     snap = [(np.array(c.keys), np.array(c.values), c.offset) for c in stored]
     b = sys_prompt + seq(500, 20)
@@ -235,7 +235,7 @@ def test_lcp_copy_is_independent():
     for g, c in zip(got, stored):
         assert g.keys is not c.keys and g.values is not c.values
         assert g.keys.shape[2] == 300  # exact-size copy, not the stored capacity
-    copy_bytes = cache_nbytes(got)
+    copy_bytes = entry_nbytes(got)
     assert copy_bytes == 3 * 2 * H * 300 * D * 4
     assert peak <= copy_bytes * 1.05 + 4096, (peak, copy_bytes)  # no full-size temporaries
     # write into the caller's copy: decode step + scribble over the copied prefix
@@ -303,7 +303,7 @@ def test_lru_order_and_max_entries():
 
 def test_byte_budget_uses_real_nbytes():
     one = kv(seq(0, 10))
-    per = cache_nbytes(one)
+    per = entry_nbytes(one)
     # KVCache prices its capacity (256 slots), not its 10 used positions
     assert per == 2 * 2 * (1 * H * 256 * D * 4)
     seen = []
@@ -328,13 +328,13 @@ def test_oversized_entry_never_evicts_everything(tmp_path):
     small = kv(seq(0, 4), layers=1)
     big_t = seq(50, 600)
     big = kv(big_t)  # capacity 768 slots
-    s = PromptStore(max_bytes=cache_nbytes(small) * 2)
+    s = PromptStore(max_bytes=entry_nbytes(small) * 2)
     s.insert("m", seq(0, 4), small)
     assert s.insert("m", big_t, big) is False
     assert len(s) == 1 and s.stats().rejected == 1 and s.stats().evictions == 0
     # with a cold tier it goes straight there and comes back from it
     cold = SSDTier(tmp_path / "c", max_bytes=1 << 30)
-    s = PromptStore(max_bytes=cache_nbytes(small) * 2, cold=cold)
+    s = PromptStore(max_bytes=entry_nbytes(small) * 2, cold=cold)
     s.insert("m", seq(0, 4), kv(seq(0, 4), layers=1))
     assert s.insert("m", big_t, kv(big_t)) is True
     assert len(s) == 1 and len(cold) == 1 and s.stats().spills == 1
@@ -376,7 +376,7 @@ def test_transient_memory_move_vs_deepcopy():
     # move: the store holds the only reference; fetch hands it over
     s = PromptStore(max_bytes=1 << 40)
     e = entry()
-    nbytes = cache_nbytes(e)
+    nbytes = entry_nbytes(e)
     assert nbytes == L * 2 * Hh * 1024 * Dd * 2
     s.insert("m", toks, e)
     del e
@@ -404,7 +404,7 @@ def test_cold_none_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(cwd)
     before = files_under(tmp_path)
     evicted = []
-    s = PromptStore(max_bytes=cache_nbytes(kv(seq(0, 4))) * 2, cold=None, on_evict=evicted.append)
+    s = PromptStore(max_bytes=entry_nbytes(kv(seq(0, 4))) * 2, cold=None, on_evict=evicted.append)
     for a in range(0, 60, 6):
         s.insert("m", seq(a, 4), kv(seq(a, 4)))
         s.fetch("m", seq(a, 2) + [999])
@@ -417,7 +417,7 @@ def test_cold_none_writes_nothing(tmp_path, monkeypatch):
 
 def test_thread_safety_smoke(tmp_path):
     cold = SSDTier(tmp_path / "c", max_bytes=2 << 20)
-    s = PromptStore(max_bytes=cache_nbytes(kv(seq(0, 8))) * 4, max_entries=6, cold=cold)
+    s = PromptStore(max_bytes=entry_nbytes(kv(seq(0, 8))) * 4, max_entries=6, cold=cold)
     shared = seq(5000, 8)
     errors = []
 
@@ -468,7 +468,7 @@ def test_spill_and_reload_quantized_stays_quantized(tmp_path):
     t = seq(300, 40)
     q = [c.to_quantized(group_size=32, bits=8) for c in kv(t)]
     snap = [[np.array(a) for a in (*c.keys, *c.values)] for c in q]
-    per = cache_nbytes(q)
+    per = entry_nbytes(q)
     cold = SSDTier(tmp_path / "c", max_bytes=1 << 30)
     s = PromptStore(max_bytes=per + per // 2, cold=cold)
     s.insert("m", t, q)
@@ -643,7 +643,7 @@ def test_store_prefers_better_cold_entry(tmp_path):
     sysp = seq(0, 10)
     a = sysp + seq(100, 30)
     b = sysp + seq(500, 5)
-    per = cache_nbytes(kv(a))
+    per = entry_nbytes(kv(a))
     s = PromptStore(max_bytes=per, cold=cold)
     s.insert("m", a, kv(a))
     s.insert("m", b, kv(b))  # evicts a to disk

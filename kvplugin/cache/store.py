@@ -29,7 +29,7 @@ Hot tier
   and lookup cost O(len(tokens)); nothing scans all entries or bytes.
 * One global LRU order over all model keys.  ``insert`` and a copy-hit (below) make
   an entry most-recently used.
-* Entries are priced at insert by ``nbytes`` (default :func:`cache_nbytes` = sum of
+* Entries are priced at insert by ``nbytes`` (default :func:`kvplugin.cache.trim.entry_nbytes` = sum of
   the layers' ``nbytes``, i.e. the real bytes held, spare capacity included).
   After an insert the store evicts LRU entries while ``nbytes > max_bytes`` or
   ``len > max_entries``; the entry just inserted is never evicted by its own insert.
@@ -118,6 +118,8 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol, S
 import mlx.core as mx
 from mlx_lm.models import cache as _mlc
 
+from kvplugin.cache.trim import entry_arrays, entry_nbytes
+
 if TYPE_CHECKING:  # re-exported lazily by __getattr__ at the bottom
     from .ssd import SSDTier
 
@@ -127,7 +129,6 @@ __all__ = [
     "SSDTier",
     "StoreEntry",
     "StoreStats",
-    "cache_nbytes",
     "can_copy_prefix",
     "copy_prefix",
     "is_trimmable",
@@ -224,30 +225,6 @@ def to_key(tokens: Iterable[int] | Any) -> tuple:
     elif hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):
         tokens = tokens.tolist()
     return tuple(map(int, tokens))
-
-
-def _arrays_in(obj, depth: int = 0):
-    if isinstance(obj, mx.array):
-        yield obj
-    elif depth < 4 and isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _arrays_in(x, depth + 1)
-    elif depth < 4 and isinstance(obj, dict):
-        for x in obj.values():
-            yield from _arrays_in(x, depth + 1)
-
-
-def _layer_nbytes(layer) -> int:
-    try:
-        return int(layer.nbytes)
-    except Exception:  # no/abstract nbytes: count the arrays it holds
-        return sum(a.nbytes for a in _arrays_in(getattr(layer, "__dict__", {})))
-
-
-def cache_nbytes(cache: list) -> int:
-    """Real bytes held by a cache entry: sum of the layers' ``nbytes`` (for
-    ``KVCache`` that is the allocated capacity, not just ``offset``)."""
-    return sum(_layer_nbytes(c) for c in cache)
 
 
 def is_trimmable(cache: list) -> bool:
@@ -393,7 +370,7 @@ def copy_prefix(cache: list, n: int) -> list | None:
         return None
     if not out or any(c is None for c in out):
         return None
-    mx.eval(list(_arrays_in([c.__dict__ for c in _flat_layers(out)])))
+    mx.eval(entry_arrays(out))
     return out
 
 
@@ -635,7 +612,7 @@ class PromptStore:
             for e in self._lru.values():
                 for layer in e.cache:
                     name = type(layer).__name__
-                    by_kind[name] = by_kind.get(name, 0) + _layer_nbytes(layer)
+                    by_kind[name] = by_kind.get(name, 0) + entry_nbytes([layer])
             s = StoreStats(entries=len(self._lru), bytes=self._nbytes, bytes_by_kind=by_kind, **self._c)
         cold = self.cold
         if cold is not None:
@@ -744,7 +721,7 @@ class PromptStore:
             with self._lock:
                 self._c["rejected"] += 1
             return False
-        price = cache_nbytes(cache) if nbytes is None else int(nbytes)
+        price = entry_nbytes(cache) if nbytes is None else int(nbytes)
         entry = StoreEntry(model_key, key, cache, price)
         evicted: list = []
         with self._lock:

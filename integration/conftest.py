@@ -1,0 +1,58 @@
+"""Fixtures for integration tests: real host servers on 127.0.0.1.
+
+- ``tiny_model`` (session): the tiny random-weight llama built offline into a
+  temp dir by :func:`kvplugin.tinymodel.build_tiny_model`.
+- ``start_server`` (module): a factory ``start_server(cmd, *extra, env=None,
+  model=None, **kwargs) -> ServerProcess`` that picks a free port, starts
+  ``cmd(tiny_model, port, *extra)`` and stops every server it started when the
+  module ends. ``cmd`` is one of ``harness.mlx_lm_server_cmd``,
+  ``harness.mlx_lm_module_cmd``, ``harness.vllm_mlx_serve_cmd``.
+- ``harness.server_fixture(cmd, *extra, env=...)`` builds a module-scoped
+  fixture in one line, for the common one-server-per-module case.
+
+A missing host fails loudly (``HostNotInstalled``); nothing here skips.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:  # `import harness` under any --import-mode
+    sys.path.insert(0, str(_HERE))
+try:
+    import kvplugin.tinymodel  # noqa: F401  (installed, or on PYTHONPATH)
+except ImportError:  # a plain checkout: use the repo's copy
+    sys.path.insert(0, str(_HERE.parent))
+
+import harness  # noqa: E402
+from kvplugin.tinymodel import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """Directory of the tiny model (built once per test session)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def start_server(tiny_model, tmp_path_factory):
+    """Factory: start a server on the tiny model; all are stopped at module end."""
+    started: list[harness.ServerProcess] = []
+
+    def start(cmd, *extra, env=None, model=None, model_dir=None, **kwargs):
+        if model is None and cmd is harness.vllm_mlx_serve_cmd:
+            model = harness.SERVED_MODEL_NAME
+        port = harness.free_port()
+        srv = harness.ServerProcess(
+            cmd(model_dir or tiny_model, port, *extra), port=port, env=env, model=model,
+            workdir=tmp_path_factory.mktemp(getattr(cmd, "__name__", "server")), **kwargs)
+        started.append(srv)
+        return srv.start()
+
+    yield start
+    for srv in reversed(started):
+        srv.stop()
