@@ -45,6 +45,19 @@ class _TriggerLoader:
         self._loader.exec_module(module)
         run_trigger(self._adapter, module)
 
+    def get_code(self, fullname):
+        """Only runpy asks for the code: ``python -m <host module>`` runs it as
+        ``__main__``, where it calls its ``main()`` before any trigger could patch it."""
+        if not disabled():
+            from kvplugin.log import say
+
+            say(
+                f"`python -m {fullname}` runs the host as __main__, which kvplugin cannot "
+                f"patch; the host runs stock (use its console script instead)",
+                key="runpy",
+            )
+        return self._loader.get_code(fullname)
+
 
 class _TriggerFinder:
     """A meta-path finder that only ever answers for the trigger modules."""

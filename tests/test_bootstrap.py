@@ -163,3 +163,16 @@ def test_disable_only_for_true_values(tmp_path, var):
     make_fake_host(tmp_path, "1.4")
     r = run_python(DRIVER, tmp_path, KVPLUGIN_DISABLE=var)
     assert parse(r.stdout)["VALUE"] == "patched"
+
+
+def test_python_dash_m_host_module_says_it_runs_stock(tmp_path):
+    """``python -m fakehost.server`` executes it as __main__: no patch, one line why."""
+    make_fake_host(tmp_path, "1.4")
+    (tmp_path / "fakehost" / "server.py").write_text("print('VALUE=stock-main')\n")
+    code = ("import runpy, kvplugin._bootstrap as b\n"
+            "b.TRIGGERS['fakehost.server'] = 'fake_adapter'\n"
+            "runpy.run_module('fakehost.server', run_name='__main__', alter_sys=True)\n")
+    r = run_python(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert parse(r.stdout)["VALUE"] == "stock-main"
+    assert r.stderr.count("kvplugin:") == 1 and "cannot patch" in r.stderr

@@ -167,3 +167,18 @@ def test_quantized_entry_save_load_round_trip(tmp_path):
     back, ref = dequantize_entry(loaded)[0], dequantize_entry(res.cache)[0]
     assert back.keys.dtype == mx.bfloat16 and mx.array_equal(back.keys, ref.keys).item()
     assert mx.array_equal(loaded[1][0], entry[1][0]).item()
+
+
+def test_head_dim_of_a_real_mlx_lm_model():
+    """``nn.Module`` is a dict: the lookup must still find ``model.args``."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs.from_dict({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "vocab_size": 32, "head_dim": 16,
+    })
+    model = llama.Model(args)
+    assert head_dim_of(model) == 16
+    with pytest.raises(ValueError, match="16"):
+        validate_group_size_for_model(model, 64)

@@ -73,9 +73,12 @@ def validate_bits_group(bits: int, group_size: int) -> None:
 
 
 def _field(obj: Any, name: str) -> Any:
-    if isinstance(obj, dict):
-        return obj.get(name)
-    return getattr(obj, name, None)
+    """An attribute, else a dict item: ``mlx.nn.Module`` *is* a dict (of its children), so
+    attributes such as ``model.args`` must be looked up first."""
+    value = getattr(obj, name, None)
+    if value is None and isinstance(obj, dict):
+        value = obj.get(name)
+    return value
 
 
 def _pos_int(x: Any) -> int | None:

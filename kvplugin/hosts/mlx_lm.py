@@ -1,22 +1,749 @@
-"""mlx-lm adapter: the seams of ``mlx_lm.server`` and ``mlx_lm.models.cache``."""
+"""mlx-lm adapter: the seams of ``mlx_lm.server`` and ``mlx_lm.models.cache``.
+
+Installed by the bootstrap right after ``mlx_lm.server`` is imported (the
+``mlx_lm.server`` console script and ``python -m mlx_lm server`` both import it).
+Everything mlx-lm-specific lives here; every decision (trim, quantize, bound, spill)
+is made by :class:`kvplugin.cache.service.KVService` and the hooks behind it.
+
+Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted; HOSTS.md §1.5):
+
+``mlx_lm.server.main``
+    Wrapped. While it runs, the first ``ArgumentParser.parse_args`` call (patched on the
+    class for that moment only) adds kvplugin's options to the server's parser before
+    parsing and resolves the settings after it (a bad value -> ``parser.error``: exit 2
+    with a message naming the flag and the env variable).
+``mlx_lm.server.run``
+    Wrapped. Builds the process's :class:`KVService` from the settings and the host's
+    ``--prompt-cache-bytes`` (stock never passes it to its cache) / ``--prompt-cache-size``,
+    says one ``kvplugin: active (...)`` line, then calls the original ``run``.
+``mlx_lm.server.LRUPromptCache``
+    Rebound (a by-name copy that ``run`` instantiates) to :class:`KVPluginPromptCache`,
+    which keeps the host's interface and is backed by the service's store.
+``make_prompt_cache``
+    Rebound in ``mlx_lm.models.cache``, ``mlx_lm.server`` and (0.32) ``mlx_lm.generate``:
+    the original, then ``service.make_cache`` (``--max-kv-size``, ``--kv-cache-step``).
+``BatchKVCache.step`` / ``BatchRotatingKVCache.step``
+    The batched path re-merges every cache into these classes, which grow by their class
+    ``step``; set from ``--kv-cache-step`` / ``--max-kv-size`` when the service starts.
+``ModelProvider._load`` / ``ModelProvider.load_default``
+    Wrapped: the quantization group size is checked against the loaded model's head
+    dimension; at start-up (the default model, loaded by the generation thread) a bad
+    value ends the process with exit code 2 and a message naming flag and env variable.
+``APIHandler.do_GET``
+    Wrapped: ``GET /kvplugin/stats`` answers the service's counters and the stored
+    entries as JSON; every other path goes to the host.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from kvplugin.hosts.base import HostAdapter, PatchRegistry
+from kvplugin.hosts.base import HostAdapter, PatchRegistry, wraps_original
+from kvplugin.log import say
+
+STATS_PATH = "/kvplugin/stats"
+HOST_NAME = "mlx-lm"
+_GROUP_FIELD = "kv_cache_quantization_group_size"
+
+
+class SeamError(RuntimeError):
+    """A seam kvplugin needs is missing or has an unexpected shape (a fork, a new release)."""
+
+
+class _StartupError(ValueError):
+    """A configuration error found while the default model loads at start-up."""
+
+
+# --------------------------------------------------------------------------- #
+# model fingerprint (the store's model key)
+
+_FP_LOCK = threading.Lock()
+_FINGERPRINTS: dict[Any, str] = {}
+_WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
+
+
+def _resolve_local(path: str) -> Path | None:
+    """A local directory for a model path or a repo id already in the HF cache."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p.resolve()
+    if p.is_file():
+        return p.resolve()
+    try:  # a repo id: the snapshot folder (named by commit) if it is cached
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(path, "config.json")
+        if isinstance(hit, str):
+            return Path(hit).parent
+    except Exception:
+        pass
+    return None
+
+
+def _dir_digest(path: Path, h: Any) -> None:
+    """Feed what identifies a model/adapter directory's contents into ``h``."""
+    if path.is_file():
+        st = path.stat()
+        h.update(f"file:{path}:{st.st_size}:{st.st_mtime_ns}".encode())
+        return
+    for name in sorted(os.listdir(path)):
+        f = path / name
+        if name.endswith(".json"):
+            try:
+                h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+            except OSError:
+                pass
+        elif name.endswith(_WEIGHT_SUFFIXES):
+            try:
+                st = f.stat()  # follows HF-cache symlinks into the blobs
+            except OSError:
+                continue
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
+
+
+def model_fingerprint(model: Any) -> str:
+    """The store's key for the ``model`` mlx-lm's server passes to its prompt cache.
+
+    That is ``ModelProvider.model_key`` = ``(model_path, adapter_path, draft_model_path)``
+    in 0.31.3 and 0.32.x (an opaque object elsewhere). The key names the model and hashes
+    what identifies its files (config/tokenizer JSON contents; weight names, sizes and
+    mtimes; the HF snapshot commit for cached repo ids) and the mlx-lm minor version, so
+    entries persisted in the cold tier are never served to a different model or a changed
+    checkpoint. Computed once per model key.
+    """
+    with _FP_LOCK:
+        try:
+            cached = _FINGERPRINTS.get(model)
+        except TypeError:  # unhashable
+            cached = None
+        if cached is not None:
+            return cached
+    parts = model if isinstance(model, tuple) else (model,)
+    h = hashlib.sha256()
+    h.update(f"mlx-lm {_host_minor()}\0".encode())
+    name = "model"
+    for i, part in enumerate(parts):
+        h.update(f"[{i}]{part!r}\0".encode())
+        if not isinstance(part, (str, os.PathLike)):
+            continue
+        local = _resolve_local(os.fspath(part))
+        if local is None:
+            continue
+        if i == 0:
+            name = local.name if local.name not in ("", ".") else name
+        h.update(str(local).encode() + b"\0")
+        try:
+            _dir_digest(local, h)
+        except OSError:
+            pass
+    if parts and isinstance(parts[0], str) and name == "model":
+        name = parts[0].rstrip("/").rsplit("/", 1)[-1] or name
+    key = f"{name}-{h.hexdigest()[:24]}"
+    with _FP_LOCK:
+        try:
+            _FINGERPRINTS[model] = key
+        except TypeError:
+            pass
+    return key
+
+
+def _host_minor() -> str:
+    from kvplugin.hosts.base import installed_version
+
+    v = installed_version("mlx-lm")
+    return f"{v.major}.{v.minor}" if v is not None else "?"
+
+
+# --------------------------------------------------------------------------- #
+# the prompt cache that replaces mlx_lm.server.LRUPromptCache
+
+
+def _layer_bits(layer: Any) -> int | None:
+    bits = getattr(layer, "bits", None)
+    return bits if isinstance(bits, int) and not isinstance(bits, bool) else None
+
+
+def _dense_nbytes(layer: Any) -> int:
+    """Bytes the layer's used tokens take in full precision (its own bytes if not quantized)."""
+    bits = _layer_bits(layer)
+    keys = getattr(layer, "keys", None)
+    if bits is None or not isinstance(keys, (tuple, list)) or not keys:
+        try:
+            return int(layer.nbytes)
+        except Exception:
+            return 0
+    total = 0
+    dtype_size = 2
+    scales = keys[1] if len(keys) > 1 else None
+    if scales is not None:
+        dtype_size = scales.dtype.size
+    n = int(getattr(layer, "offset", 0) or 0)
+    for parts in (layer.keys, layer.values):
+        packed = parts[0]
+        *lead, _, packed_dim = packed.shape
+        dim = packed_dim * 32 // bits
+        count = n * dim
+        for d in lead:
+            count *= d
+        total += count * dtype_size
+    return total
+
+
+def describe_entry(model_key: Any, tokens: Sequence[int], cache: list, nbytes: int) -> dict:
+    """One stored entry as JSON-able data (``/kvplugin/stats``)."""
+    return {
+        "model": str(model_key),
+        "tokens": len(tokens),
+        "nbytes": int(nbytes),
+        "dense_nbytes": sum(_dense_nbytes(layer) for layer in cache),
+        "layers": [type(layer).__name__ for layer in cache],
+        "bits": [_layer_bits(layer) for layer in cache],
+        "offsets": sorted({int(getattr(layer, "offset", 0) or 0) for layer in cache}),
+    }
+
+
+def _store_entries(store: Any) -> list[dict]:
+    """Every hot-tier entry, least recently used first."""
+    listing = getattr(store, "entries", None)
+    if callable(listing):
+        entries = list(listing())
+    else:  # PromptStore keeps its LRU in ``_lru`` (StoreEntry values)
+        lock = getattr(store, "_lock", None)
+        lru = getattr(store, "_lru", {})
+        if lock is not None:
+            with lock:
+                entries = list(lru.values())
+        else:
+            entries = list(lru.values())
+    out = []
+    for e in entries:
+        try:
+            out.append(describe_entry(e.model_key, e.tokens, e.cache, e.nbytes))
+        except Exception as exc:  # reporting must never fail a request
+            out.append({"error": f"{type(exc).__name__}: {exc}"})
+    return out
+
+
+class KVPluginPromptCache:
+    """mlx-lm's ``LRUPromptCache`` interface over one :class:`KVService`.
+
+    Differences from stock, all deliberate (issue 4): entries are trimmed to their
+    used tokens and maybe quantized before storage; a fetch *moves* the entry to the
+    caller (no deepcopy) and returns it dequantized; an exact hit leaves one token to
+    process (stock returns no tokens, which both host paths reject); the byte budget
+    (``max_bytes``, the host's ``--prompt-cache-bytes``) holds after every insert on
+    both paths; evictions spill to the cold tier when there is one. ``cache_type`` is
+    accepted and ignored: the store keeps one LRU order.
+    """
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, *, service: Any = None):
+        self.max_size = max_size
+        self.max_bytes = max_bytes
+        if service is None:
+            service = ADAPTER.take_pending_service()
+        if service is None:  # built outside the wrapped ``run`` (a script): own service
+            service = ADAPTER.create_service(
+                max_bytes=None if max_bytes >= 1 << 62 else max_bytes, max_entries=max_size
+            )
+        self.service = service
+
+    # -- what mlx_lm.server calls -----------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.service.store)
+
+    @property
+    def nbytes(self) -> int:
+        return self.service.store.nbytes
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+        try:
+            cache, n = self.service.fetch(model_fingerprint(model), tokens)
+        except Exception as exc:  # a request must never fail because of the store
+            say(f"prompt cache fetch failed ({type(exc).__name__}: {exc}); serving "
+                "without a cached prefix", key="mlx-lm:fetch-failed")
+            return None, tokens
+        if cache is None or n <= 0:
+            return None, tokens
+        return cache, tokens[n:]
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        try:
+            tokens = list(tokens)
+            entry_tokens = _matched_tokens(prompt_cache, tokens)
+            if entry_tokens is None:
+                return
+            self.service.insert(model_fingerprint(model), entry_tokens, prompt_cache)
+        except Exception as exc:
+            say(f"prompt cache insert failed ({type(exc).__name__}: {exc}); entry "
+                "dropped", key="mlx-lm:insert-failed")
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        self.service.store.trim_to(n_bytes=n_bytes, n_entries=n_sequences)
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        return {"kvplugin": {"n_sequences": len(self), "n_bytes": self.nbytes}}
+
+    # -- kvplugin ----------------------------------------------------------------------
+    def report(self) -> dict:
+        """``service.stats()`` plus the stored entries (``GET /kvplugin/stats``)."""
+        store = self.service.store
+        lock = getattr(store, "_lock", None)  # an RLock: one consistent snapshot
+        with lock if lock is not None else contextlib.nullcontext():
+            out = self.service.stats()
+            out["entries"] = _store_entries(store)
+        out["host_version"] = str(ADAPTER.version())
+        out["max_bytes"] = store.max_bytes
+        out["max_entries"] = store.max_entries
+        return out
+
+
+
+def _matched_tokens(cache: list, tokens: list[int]) -> list[int] | None:
+    """The key that matches what ``cache`` holds (layers' ``offset``), or None to skip.
+
+    mlx-lm's paths store ``len(tokens) == offset``; if a future release differs, cut the
+    key (cache shorter) or trim the cache (cache longer, when trimmable) rather than
+    store an entry whose key lies about its contents.
+    """
+    from kvplugin.cache.trim import entry_tokens
+
+    held = entry_tokens(cache)
+    if held == len(tokens):
+        return tokens
+    if held <= 0:
+        return None
+    if held < len(tokens):
+        return tokens[:held]
+    if all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
+        for c in cache:
+            c.trim(held - len(tokens))
+        return tokens
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# the adapter
+
+
+def _params(fn: Callable) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise SeamError(what)
 
 
 class MlxLmAdapter(HostAdapter):
-    name = "mlx-lm"
+    name = HOST_NAME
     distribution = "mlx-lm"
     supported = SpecifierSet(">=0.31.3,<0.33")
     trigger_module = "mlx_lm.server"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._state_lock = threading.Lock()
+        self.settings: Any = None  # resolved by the wrapped main (or lazily from the env)
+        self.namespace: argparse.Namespace | None = None
+        self.given_flags: dict[str, Any] = {}
+        self.service: Any = None  # the service of the running server
+        self._pending: Any = None  # made by the wrapped run, claimed by the prompt cache
+        self._warned_models: set[int] = set()
+        self._step_patched = False
+
+    # -- install -----------------------------------------------------------------------
     def apply(self, module: Any, patches: PatchRegistry) -> None:
-        raise NotImplementedError("the mlx-lm adapter is not implemented yet")
+        server = module
+        cache_mod = importlib.import_module("mlx_lm.models.cache")
+        gen_mod = importlib.import_module("mlx_lm.generate")  # the module, not the function
+        self._check_seams(server, cache_mod, gen_mod)
+        self._server, self._cache_mod = server, cache_mod
+
+        original_mpc = cache_mod.make_prompt_cache
+        wrapped_mpc = self._wrap_make_prompt_cache(original_mpc)
+        patches.replace(cache_mod, "make_prompt_cache", wrapped_mpc)
+        patches.replace(server, "make_prompt_cache", wrapped_mpc)
+        if getattr(gen_mod, "make_prompt_cache", None) is original_mpc:  # 0.32.x copy
+            patches.replace(gen_mod, "make_prompt_cache", wrapped_mpc)
+
+        patches.replace(server, "LRUPromptCache", KVPluginPromptCache)
+        patches.replace(server, "main", self._wrap_main(server.main))
+        patches.replace(server, "run", self._wrap_run(server.run))
+
+        provider = server.ModelProvider
+        patches.replace(provider, "_load", self._wrap_load(provider._load))
+        patches.replace(provider, "load_default", self._wrap_load_default(provider.load_default))
+        patches.replace(server.APIHandler, "do_GET", self._wrap_do_get(server.APIHandler.do_GET))
+
+    def _check_seams(self, server: Any, cache_mod: Any, gen_mod: Any) -> None:
+        """Fail closed: every seam present, with the signature this adapter was written for."""
+        for name in ("main", "run", "LRUPromptCache", "make_prompt_cache", "ModelProvider",
+                     "APIHandler", "ResponseGenerator"):
+            _require(hasattr(server, name), f"mlx_lm.server.{name} is missing")
+        mpc = cache_mod.make_prompt_cache
+        _require(server.make_prompt_cache is mpc,
+                 "mlx_lm.server.make_prompt_cache is not mlx_lm.models.cache's")
+        gen_mpc = getattr(gen_mod, "make_prompt_cache", mpc)
+        _require(gen_mpc is mpc, "mlx_lm.generate.make_prompt_cache is not mlx_lm.models.cache's")
+        _require(_params(mpc)[:2] == ["model", "max_kv_size"],
+                 f"make_prompt_cache{inspect.signature(mpc)}")
+        _require(_params(server.run)[:3] == ["host", "port", "model_provider"],
+                 f"run{inspect.signature(server.run)}")
+        _require(_params(server.main) == [], f"main{inspect.signature(server.main)}")
+        lru = server.LRUPromptCache
+        stock = lru is getattr(cache_mod, "LRUPromptCache", None)
+        _require(stock or lru.__name__ == "LRUPromptCache",
+                 "mlx_lm.server.LRUPromptCache is not mlx-lm's")
+        _require(_params(lru.fetch_nearest_cache)[:3] == ["self", "model", "tokens"],
+                 "LRUPromptCache.fetch_nearest_cache")
+        ins = inspect.signature(lru.insert_cache).parameters
+        _require(list(ins)[:4] == ["self", "model", "tokens", "prompt_cache"]
+                 and "cache_type" in ins, "LRUPromptCache.insert_cache")
+        trim = inspect.signature(lru.trim_to).parameters
+        _require("n_sequences" in trim and "n_bytes" in trim, "LRUPromptCache.trim_to")
+        provider = server.ModelProvider
+        _require(_params(provider._load)[:4] == ["self", "model_path", "adapter_path",
+                                                 "draft_model_path"], "ModelProvider._load")
+        _require(_params(provider.load_default) == ["self"], "ModelProvider.load_default")
+        _require(callable(getattr(server.APIHandler, "do_GET", None)), "APIHandler.do_GET")
+        for cls in ("BatchKVCache", "BatchRotatingKVCache", "KVCache", "RotatingKVCache"):
+            _require(isinstance(getattr(getattr(cache_mod, cls, None), "step", None), int),
+                     f"mlx_lm.models.cache.{cls}.step")
+
+    # -- settings and service ----------------------------------------------------------
+    def ensure_settings(self) -> Any:
+        """The resolved settings: from the wrapped main, else from the environment."""
+        with self._state_lock:
+            if self.settings is None:
+                from kvplugin.settings import resolve_settings
+
+                self.settings = resolve_settings()
+            return self.settings
+
+    def create_service(self, *, max_bytes: int | None, max_entries: int | None) -> Any:
+        from kvplugin.cache.service import KVService
+
+        settings = self.ensure_settings()
+        service = KVService(settings, host=HOST_NAME, max_bytes=max_bytes,
+                            max_entries=max_entries)
+        with self._state_lock:
+            self.service = service
+        self._patch_batch_steps(settings)
+        self._say_active(service)
+        return service
+
+    def take_pending_service(self) -> Any:
+        with self._state_lock:
+            service, self._pending = self._pending, None
+            return service
+
+    def _patch_batch_steps(self, settings: Any) -> None:
+        """The batched path merges every cache into Batch*KVCache, which grow by the
+        class ``step``: carry ``--kv-cache-step`` / ``--max-kv-size`` over to them."""
+        with self._state_lock:
+            if self._step_patched:
+                return
+            self._step_patched = True
+        cm = self._cache_mod
+        if settings.kv_cache_step is not None:
+            self.registry.replace(cm.BatchKVCache, "step", settings.kv_cache_step)
+        if settings.max_kv_size is not None:
+            # grow to the bound in one step (never beyond: min(step, max_size - prev))
+            self.registry.replace(cm.BatchRotatingKVCache, "step", settings.max_kv_size)
+
+    def _say_active(self, service: Any) -> None:
+        s = service.settings
+        if s.kv_cache_quantization:
+            quant = (f"{s.kv_cache_quantization_bits}-bit entries, group "
+                     f"{s.kv_cache_quantization_group_size}, from "
+                     f"{s.kv_cache_min_quantize_tokens} tokens")
+        else:
+            quant = "off"
+        store = service.store
+        budget = "unlimited" if store.max_bytes >= 1 << 62 else f"{store.max_bytes} bytes"
+        entries = "unlimited" if store.max_entries is None else f"{store.max_entries} entries"
+        if s.hot_cache_only:
+            cold = "none (--hot-cache-only: evictions are discarded)"
+        elif store.cold is not None:
+            cold = f"{s.ssd_cache_dir} (max {s.ssd_cache_max_gb:g} GB)"
+        else:
+            cold = "none (evictions are discarded)"
+        bound = f"{s.max_kv_size} tokens" if s.max_kv_size is not None else "unbounded"
+        step = f", kv-cache-step {s.kv_cache_step}" if s.kv_cache_step is not None else ""
+        say(
+            f"active on mlx-lm {self.version()} (prompt cache: {budget}, {entries}; "
+            f"quantization: {quant}; max-kv-size: {bound}{step}; cold tier: {cold}; "
+            f"stats: GET {STATS_PATH})",
+            key="mlx-lm:active",
+        )
+        if s.max_kv_size is not None:
+            say(
+                f"--max-kv-size {s.max_kv_size}: sequential requests (a seed, images, a draft "
+                f"model, --kv-bits) get a pre-allocated rotating cache of exactly "
+                f"{s.max_kv_size} tokens that keeps the first 4; batched requests run in "
+                f"mlx-lm's BatchRotatingKVCache, which is bounded to {s.max_kv_size} tokens "
+                f"between prefill chunks (up to {s.max_kv_size} + --prefill-step-size - 1 "
+                f"while a chunk is processed), keeps no first tokens, and grows to the bound "
+                f"in one step",
+                key="mlx-lm:max-kv-batched",
+            )
+
+    # -- wrappers --------------------------------------------------------------------------
+    def _wrap_main(self, original: Callable) -> Callable:
+        adapter = self
+
+        @wraps_original(original)
+        def main(*args: Any, **kwargs: Any) -> Any:
+            cls = argparse.ArgumentParser
+            raw = vars(cls)["parse_args"]
+            done = False
+
+            def parse_args(parser, args=None, namespace=None):
+                nonlocal done
+                if done:
+                    return raw(parser, args, namespace)
+                done = True
+                if vars(cls).get("parse_args") is parse_args:
+                    cls.parse_args = raw  # only the first call is ours
+                return adapter._parse(parser, raw, args, namespace)
+
+            cls.parse_args = parse_args
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if vars(cls).get("parse_args") is parse_args:
+                    cls.parse_args = raw
+
+        return main
+
+    def _parse(self, parser: argparse.ArgumentParser, raw: Callable, args: Any,
+               namespace: Any) -> argparse.Namespace:
+        from kvplugin.options import add_options, given_flags, settings_from_namespace
+        from kvplugin.settings import SettingsError
+
+        add_options(parser)
+        ns = raw(parser, args, namespace)
+        given = given_flags(parser, ns)  # before settings_from_namespace fills in the rest
+        try:
+            settings = settings_from_namespace(parser, ns)
+        except SettingsError as err:
+            parser.error(str(err))
+        if settings.max_kv_size is not None and getattr(ns, "kv_bits", None) is not None:
+            parser.error(
+                "kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
+                "mlx-lm's --kv-bits: mlx-lm cannot quantize a rotating (bounded) cache"
+            )
+        if settings.max_kv_size is not None and getattr(ns, "draft_model", None):
+            parser.error(
+                "kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
+                "--draft-model: speculative decoding trims the cache, and a bounded cache "
+                "cannot be trimmed once it is full"
+            )
+        with self._state_lock:
+            self.settings = settings
+            self.namespace = ns
+            self.given_flags = given
+        return ns
+
+    def _wrap_run(self, original: Callable) -> Callable:
+        adapter = self
+
+        @wraps_original(original)
+        def run(host, port, model_provider, *args: Any, **kwargs: Any) -> Any:
+            from kvplugin.settings import SettingsError
+
+            cli = getattr(model_provider, "cli_args", None)
+            max_bytes = getattr(cli, "prompt_cache_bytes", None)
+            max_entries = getattr(cli, "prompt_cache_size", None)
+            try:
+                service = adapter.create_service(max_bytes=max_bytes, max_entries=max_entries)
+            except SettingsError as err:
+                _die(str(err))
+            except OSError as err:  # e.g. the cold tier's directory cannot be created
+                _die(f"kvplugin: cannot set up the prompt store: {err}")
+            with adapter._state_lock:
+                adapter._pending = service
+            try:
+                return original(host, port, model_provider, *args, **kwargs)
+            finally:
+                with adapter._state_lock:
+                    adapter._pending = None
+
+        return run
+
+    def _wrap_make_prompt_cache(self, original: Callable) -> Callable:
+        adapter = self
+
+        @wraps_original(original)
+        def make_prompt_cache(model, *args: Any, **kwargs: Any) -> list:
+            cache = original(model, *args, **kwargs)
+            service = adapter.service
+            if service is None:  # no kvplugin server in this process: stock behaviour
+                return cache
+            try:
+                shaped = service.make_cache(model, cache)
+            except Exception as exc:
+                say(f"could not shape a new cache ({type(exc).__name__}: {exc}); using "
+                    "mlx-lm's", key="mlx-lm:make-cache-failed")
+                return cache
+            adapter._warn_unbounded(model, shaped, service.settings)
+            return shaped
+
+        return make_prompt_cache
+
+    def _warn_unbounded(self, model: Any, cache: list, settings: Any) -> None:
+        """Once per model: which layers ``--max-kv-size`` / ``--kv-cache-step`` cannot reach."""
+        if id(model) in self._warned_models:
+            return
+        self._warned_models.add(id(model))
+        cm = self._cache_mod
+        n = settings.max_kv_size
+        if n is not None:
+            loose: dict[str, int] = {}
+            for layer in cache:
+                if isinstance(layer, cm.RotatingKVCache) and layer.max_size <= n:
+                    continue
+                if isinstance(layer, getattr(cm, "ArraysCache", ())):
+                    continue  # fixed-size recurrent state
+                loose[type(layer).__name__] = loose.get(type(layer).__name__, 0) + 1
+            if loose:
+                kinds = ", ".join(f"{k} x{v}" for k, v in sorted(loose.items()))
+                say(
+                    f"--max-kv-size {n}: {len(cache) - sum(loose.values())} of {len(cache)} "
+                    f"cache layers of {type(model).__module__} are bounded; {kinds} are not "
+                    f"plain KV caches and still grow with the context",
+                    key=f"mlx-lm:unbounded:{id(model)}",
+                )
+        elif settings.kv_cache_step is not None:
+            other = sorted({type(layer).__name__ for layer in cache
+                            if type(layer) not in (cm.KVCache, cm.QuantizedKVCache)})
+            if other:
+                say(
+                    f"--kv-cache-step {settings.kv_cache_step} applies to KVCache layers only; "
+                    f"{', '.join(other)} layers of {type(model).__module__} keep mlx-lm's "
+                    f"growth", key=f"mlx-lm:step:{id(model)}",
+                )
+
+    def _wrap_load(self, original: Callable) -> Callable:
+        adapter = self
+
+        @wraps_original(original)
+        def _load(provider, *args: Any, **kwargs: Any) -> Any:
+            result = original(provider, *args, **kwargs)
+            problem = adapter._group_size_problem(provider.model)
+            if problem is not None:
+                _unload(provider)
+                raise _StartupError(problem)
+            return result
+
+        return _load
+
+    def _wrap_load_default(self, original: Callable) -> Callable:
+        @wraps_original(original)
+        def load_default(provider, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(provider, *args, **kwargs)
+            except _StartupError as err:
+                # The default model loads in the generation thread right at start-up:
+                # the server must not keep running with a configuration it cannot honour.
+                _die(str(err), hard=threading.current_thread() is not threading.main_thread())
+
+        return load_default
+
+    def _group_size_problem(self, model: Any) -> str | None:
+        settings = self.settings
+        if settings is None or not settings.kv_cache_quantization or model is None:
+            return None
+        from kvplugin.cache.quantize import validate_group_size_for_model
+        from kvplugin.settings import option_info
+
+        group = settings.kv_cache_quantization_group_size
+        try:
+            validate_group_size_for_model(model, group)
+        except ValueError as exc:
+            info = option_info(_GROUP_FIELD)
+            if _GROUP_FIELD in self.given_flags:
+                got = f"{info.flag} {group}"
+            elif os.environ.get(info.env):
+                got = f"{info.env}={os.environ[info.env]}"
+            else:
+                got = f"the default {group}"
+            return (
+                f"kvplugin: invalid value for {info.flag} / {info.env}: got {got} ({exc}); "
+                f"the server cannot quantize this model's KV cache"
+            )
+        return None
+
+    def _wrap_do_get(self, original: Callable) -> Callable:
+        @wraps_original(original)
+        def do_GET(handler, *args: Any, **kwargs: Any) -> Any:
+            if handler.path.split("?", 1)[0].rstrip("/") != STATS_PATH:
+                return original(handler, *args, **kwargs)
+            generator = getattr(handler, "response_generator", None)
+            cache = getattr(generator, "prompt_cache", None)
+            if not isinstance(cache, KVPluginPromptCache):
+                return original(handler, *args, **kwargs)
+            try:
+                status, body = 200, cache.report()
+            except Exception as exc:
+                status, body = 500, {"error": f"{type(exc).__name__}: {exc}"}
+            data = json.dumps(body, default=str).encode()
+            handler.send_response(status)
+            handler.send_header("Content-type", "application/json")
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            handler.wfile.write(data)
+            handler.wfile.flush()
+
+        return do_GET
+
+    # -- uninstall ---------------------------------------------------------------------------
+    def uninstall(self) -> None:
+        super().uninstall()
+        with self._state_lock:
+            self.service = None
+            self._pending = None
+            self._step_patched = False
+            self._warned_models.clear()
+
+
+def _unload(provider: Any) -> None:
+    """Forget the loaded model (``ModelProvider.reset`` exists from 0.32 only)."""
+    reset = getattr(provider, "reset", None)
+    if callable(reset):
+        reset()
+        return
+    for name in ("model_key", "model", "tokenizer", "draft_model"):
+        setattr(provider, name, None)
+
+
+def _die(message: str, *, hard: bool = False) -> None:
+    """Stop the server at start-up with ``message`` and exit code 2."""
+    print(message, file=sys.stderr, flush=True)
+    if hard:  # from a non-main thread: sys.exit would only end that thread
+        sys.stdout.flush()
+        os._exit(2)
+    raise SystemExit(2)
 
 
 ADAPTER = MlxLmAdapter()

@@ -1,0 +1,124 @@
+"""Stored entries quantized per the settings and threshold, at the engine's size ratios, on both
+host paths; options honoured from env variables and from flags; mlx-lm's own ``--kv-bits``
+entries (0.32) left as they are."""
+
+from __future__ import annotations
+
+import time
+
+import harness
+import pytest
+from harness import answer_text, cached_tokens
+
+from kvplugin._corpus import CORPUS
+
+TOKEN_BYTES = 1024  # tiny model: 2 layers x (K, V) x 2 KV heads x 64 x fp16
+MIN_TOKENS = 64
+PARAGRAPHS = [p.replace("\n", " ").strip() for p in CORPUS.split("\n\n") if p.strip()]
+LONG = " ".join(PARAGRAPHS[:3])  # ~300 tokens
+SHORT = "Hi there."  # well under MIN_TOKENS with the chat template and the answer
+RATIO = {8: 0.532, 4: 0.282}  # group 64: b/16 + 2/64, plus rounding slack
+
+
+@pytest.fixture(scope="module")
+def q8(start_server):
+    # every option from its environment variable
+    return start_server(harness.mlx_lm_server_cmd, env={
+        "KVPLUGIN_KV_CACHE_QUANTIZATION": "1",
+        "KVPLUGIN_KV_CACHE_MIN_QUANTIZE_TOKENS": str(MIN_TOKENS),
+    })
+
+
+@pytest.fixture(scope="module")
+def q4(start_server):
+    return start_server(harness.mlx_lm_server_cmd, "--kv-cache-quantization",
+                        "--kv-cache-quantization-bits", "4",
+                        "--kv-cache-min-quantize-tokens", str(MIN_TOKENS),
+                        "--kv-cache-quantization-group-size", "64")
+
+
+def _entries(srv):
+    return srv.get("/kvplugin/stats")["entries"]
+
+
+def _stored(stats: dict) -> int:
+    return stats["store_stored"] + stats["store_rejected"]
+
+
+def _wait_stored(srv, at_least: int) -> dict:
+    """Stats once ``at_least`` inserts are done (mlx-lm answers before it stores)."""
+    deadline = time.monotonic() + 10
+    while True:
+        stats = srv.get("/kvplugin/stats")
+        if _stored(stats) >= at_least or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def _check_entries(srv, bits: int):
+    entries = _entries(srv)
+    assert entries
+    for e in entries:
+        dense = e["tokens"] * TOKEN_BYTES
+        if e["tokens"] >= MIN_TOKENS:
+            assert e["bits"] == [bits, bits], e
+            assert e["layers"] == ["QuantizedKVCache"] * 2, e
+            assert e["dense_nbytes"] == dense, e
+            assert e["nbytes"] <= RATIO[bits] * dense, (e, e["nbytes"] / dense)
+        else:
+            assert e["bits"] == [None, None] and e["nbytes"] == dense, e
+    return entries
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("seed", [None, 3], ids=["batched", "sequential"])
+def test_entries_stored_quantized(request, bits, seed):
+    srv = request.getfixturevalue(f"q{bits}")
+    start = _stored(srv.get("/kvplugin/stats"))
+    long_q = [{"role": "user", "content": LONG + f" Question {seed}: what is this about?"}]
+    r = srv.chat(long_q, max_tokens=8, seed=seed)
+    assert answer_text(r).strip()
+    srv.chat(SHORT + f" ({seed})", max_tokens=4, seed=seed)
+    _wait_stored(srv, start + 2)
+    entries = _check_entries(srv, bits)
+    assert any(e["bits"][0] == bits for e in entries)
+    assert any(e["bits"][0] is None for e in entries)  # the short one stayed full precision
+    stats = srv.get("/kvplugin/stats")
+    assert stats["quantization"] == {"bits": bits, "group_size": 64, "min_tokens": MIN_TOKENS}
+    assert stats["entries_quantized"] >= 1
+    assert stats["bytes_stored"] < stats["bytes_before"]
+
+
+@pytest.mark.parametrize("seed", [None, 5], ids=["batched", "sequential"])
+def test_quantized_entry_is_reused(q8, seed):
+    messages = [{"role": "user", "content": LONG + f" Tell me more ({seed})."}]
+    first = q8.chat(messages, max_tokens=8, seed=seed)
+    before = q8.get("/kvplugin/stats")
+    again = q8.chat(messages, max_tokens=8, seed=seed)  # served from the quantized entry
+    n_prompt = again["usage"]["prompt_tokens"]
+    assert cached_tokens(again) == n_prompt - 1, again["usage"]
+    assert q8.get("/kvplugin/stats")["store_hits"] > before["store_hits"]
+    assert answer_text(again).strip() and answer_text(first).strip()
+    _check_entries(q8, 8)
+
+
+@pytest.fixture(scope="module")
+def kv_bits(start_server):
+    if harness.host_version("mlx-lm").startswith("0.31."):
+        pytest.skip("--kv-bits is a server flag from mlx-lm 0.32 on")
+    return start_server(harness.mlx_lm_server_cmd, "--kv-bits", "8", "--quantized-kv-start", "0")
+
+
+def test_mlx_lm_kv_bits_entries_are_left_alone(kv_bits):
+    messages = [{"role": "user", "content": LONG}]
+    kv_bits.chat(messages, max_tokens=6)
+    again = kv_bits.chat(messages, max_tokens=6)  # --kv-bits: always the sequential path
+    assert cached_tokens(again) == again["usage"]["prompt_tokens"] - 1, again["usage"]
+    assert answer_text(again).strip()
+    stats = kv_bits.get("/kvplugin/stats")
+    assert stats["entries_quantized"] == 0  # kvplugin quantized nothing itself ...
+    assert stats["quantization"] is None
+    entries = stats["entries"]
+    assert entries and all(e["bits"] == [8, 8] for e in entries), entries  # ... mlx-lm did
+    for e in entries:  # stored trimmed: no spare capacity beyond the tokens
+        assert e["nbytes"] <= RATIO[8] * e["tokens"] * TOKEN_BYTES, e

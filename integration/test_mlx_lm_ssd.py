@@ -1,0 +1,63 @@
+"""``--ssd-cache-dir``: evicted entries spill to the directory, and a new server on the same
+directory serves a known prefix from it (a cold hit) on its first request."""
+
+from __future__ import annotations
+
+import time
+
+import harness
+import pytest
+from harness import answer_text, cached_tokens
+
+from kvplugin._corpus import CORPUS
+
+BUDGET = 80_000  # bytes: room for one of the entries below (1 KiB per token)
+PARAGRAPHS = [p.replace("\n", " ").strip() for p in CORPUS.split("\n\n") if p.strip()]
+KNOWN = [{"role": "user", "content": PARAGRAPHS[0][:200]}]
+OTHER = [{"role": "user", "content": PARAGRAPHS[1][:200]}]
+
+
+@pytest.fixture(scope="module")
+def ssd_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ssd") / "kv"  # does not exist yet: created by the tier
+
+
+def _start(tiny_model, tmp_path_factory, ssd_dir):
+    port = harness.free_port()
+    srv = harness.ServerProcess(
+        harness.mlx_lm_server_cmd(tiny_model, port, "--ssd-cache-dir", str(ssd_dir),
+                                  "--prompt-cache-bytes", str(BUDGET)),
+        port=port, workdir=tmp_path_factory.mktemp("ssd-server"))
+    return srv.start()
+
+
+def test_evictions_spill_and_survive_a_restart(tiny_model, tmp_path_factory, ssd_dir):
+    first = _start(tiny_model, tmp_path_factory, ssd_dir)
+    try:
+        assert f"cold tier: {ssd_dir}" in first.log_text()
+        known = first.chat(KNOWN, max_tokens=8)
+        first.chat(OTHER, max_tokens=8)  # evicts KNOWN's entry: it spills to the directory
+        deadline = time.monotonic() + 10  # mlx-lm answers before it stores
+        while (stats := first.get("/kvplugin/stats"))["store_spills"] < 1:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert stats["store_spills"] >= 1, stats
+        assert stats["store_cold_entries"] >= 1 and stats["store_bytes"] <= BUDGET
+    finally:
+        assert first.stop() is not None
+    files = sorted(p.name for p in ssd_dir.rglob("*.safetensors"))
+    assert files, list(ssd_dir.rglob("*"))
+
+    second = _start(tiny_model, tmp_path_factory, ssd_dir)
+    try:
+        stats = second.get("/kvplugin/stats")
+        assert stats["store_cold_entries"] >= 1 and stats["store_entries"] == 0
+        again = second.chat(KNOWN, max_tokens=8)  # the first request of the new server
+        n_prompt = again["usage"]["prompt_tokens"]
+        assert cached_tokens(again) == n_prompt - 1, again["usage"]
+        stats = second.get("/kvplugin/stats")
+        assert stats["store_cold_hits"] == 1 and stats["store_hits"] == 1, stats
+        assert answer_text(again) == answer_text(known)  # fp16 round trip through the file
+    finally:
+        second.stop()
