@@ -266,9 +266,10 @@ def test_prompt_cache_report_lists_entries(service):
 
 def test_quantized_entry_is_described_with_bits():
     from kvplugin.cache.quantize import quantize_entry
+    from kvplugin.cache.service import describe_entry
 
     q = quantize_entry(_entry(64), bits=8, group_size=64).cache
-    e = host.describe_entry("m", list(range(64)), q, sum(c.nbytes for c in q))
+    e = describe_entry("m", list(range(64)), q, sum(c.nbytes for c in q))
     assert e["bits"] == [8, 8] and e["layers"] == ["QuantizedKVCache"] * 2
     assert e["dense_nbytes"] == 64 * TOKEN_BYTES
     assert e["nbytes"] <= 0.532 * e["dense_nbytes"]

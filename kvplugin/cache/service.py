@@ -124,12 +124,12 @@ class KVService:
     def _on_evict(self, entry: Any) -> None:
         self.pm.hook.kvplugin_on_evict(entry=entry, settings=self.settings)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, store_stats: Any = None) -> dict[str, Any]:
         """All counters as one flat JSON-able dict (the store's and kvplugin's)."""
         with self._lock:
             out: dict[str, Any] = asdict(self.counters)
             out["bytes_saved"] = self.counters.bytes_saved
-        store = asdict(self.store.stats())
+        store = asdict(store_stats if store_stats is not None else self.store.stats())
         out.update({f"store_{k}": v for k, v in store.items()})
         out["quantization"] = (
             {
@@ -144,3 +144,65 @@ class KVService:
         out["hot_cache_only"] = self.settings.hot_cache_only
         out["max_kv_size"] = self.settings.max_kv_size
         return out
+
+    def report(self) -> dict[str, Any]:
+        """:meth:`stats` plus every stored entry, from one consistent snapshot.
+
+        This is what the host adapters serve at ``GET /kvplugin/stats``.
+        """
+        store_stats, entries = self.store.snapshot()
+        out = self.stats(store_stats)
+        out["max_bytes"] = self.store.max_bytes
+        out["max_entries"] = self.store.max_entries
+        described = []
+        for e in entries:
+            try:
+                described.append(describe_entry(e.model_key, e.tokens, e.cache, e.nbytes))
+            except Exception as exc:  # reporting must never fail a request
+                described.append({"error": f"{type(exc).__name__}: {exc}"})
+        out["entries"] = described
+        return out
+
+
+def _layer_bits(layer: Any) -> int | None:
+    bits = getattr(layer, "bits", None)
+    return bits if isinstance(bits, int) and not isinstance(bits, bool) else None
+
+
+def _dense_nbytes(layer: Any) -> int:
+    """Bytes the layer's used tokens take in full precision (its own bytes if not quantized)."""
+    bits = _layer_bits(layer)
+    keys = getattr(layer, "keys", None)
+    if bits is None or not isinstance(keys, (tuple, list)) or not keys:
+        try:
+            return int(layer.nbytes)
+        except Exception:
+            return 0
+    total = 0
+    dtype_size = 2
+    scales = keys[1] if len(keys) > 1 else None
+    if scales is not None:
+        dtype_size = scales.dtype.size
+    n = int(getattr(layer, "offset", 0) or 0)
+    for parts in (layer.keys, layer.values):
+        packed = parts[0]
+        *lead, _, packed_dim = packed.shape
+        dim = packed_dim * 32 // bits
+        count = n * dim
+        for d in lead:
+            count *= d
+        total += count * dtype_size
+    return total
+
+
+def describe_entry(model_key: Any, tokens: Sequence[int], cache: list, nbytes: int) -> dict:
+    """One stored entry as JSON-able data (``/kvplugin/stats`` of every host)."""
+    return {
+        "model": str(model_key),
+        "tokens": len(tokens),
+        "nbytes": int(nbytes),
+        "dense_nbytes": sum(_dense_nbytes(layer) for layer in cache),
+        "layers": [type(layer).__name__ for layer in cache],
+        "bits": [_layer_bits(layer) for layer in cache],
+        "offsets": sorted({int(getattr(layer, "offset", 0) or 0) for layer in cache}),
+    }

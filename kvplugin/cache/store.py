@@ -605,6 +605,16 @@ class PromptStore:
         with self._lock:
             return self._nbytes
 
+    def entries(self) -> list[StoreEntry]:
+        """The hot-tier entries, least recently used first (a snapshot list)."""
+        with self._lock:
+            return list(self._lru.values())
+
+    def snapshot(self) -> tuple[StoreStats, list[StoreEntry]]:
+        """Counters and entries taken under one lock, so they agree with each other."""
+        with self._lock:
+            return self.stats(), self.entries()
+
     def stats(self) -> StoreStats:
         """Snapshot of the counters (see :class:`StoreStats`)."""
         with self._lock:

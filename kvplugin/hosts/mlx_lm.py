@@ -37,7 +37,6 @@ Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted; HOSTS.md §1.5):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import importlib
 import inspect
@@ -171,72 +170,6 @@ def _host_minor() -> str:
 # the prompt cache that replaces mlx_lm.server.LRUPromptCache
 
 
-def _layer_bits(layer: Any) -> int | None:
-    bits = getattr(layer, "bits", None)
-    return bits if isinstance(bits, int) and not isinstance(bits, bool) else None
-
-
-def _dense_nbytes(layer: Any) -> int:
-    """Bytes the layer's used tokens take in full precision (its own bytes if not quantized)."""
-    bits = _layer_bits(layer)
-    keys = getattr(layer, "keys", None)
-    if bits is None or not isinstance(keys, (tuple, list)) or not keys:
-        try:
-            return int(layer.nbytes)
-        except Exception:
-            return 0
-    total = 0
-    dtype_size = 2
-    scales = keys[1] if len(keys) > 1 else None
-    if scales is not None:
-        dtype_size = scales.dtype.size
-    n = int(getattr(layer, "offset", 0) or 0)
-    for parts in (layer.keys, layer.values):
-        packed = parts[0]
-        *lead, _, packed_dim = packed.shape
-        dim = packed_dim * 32 // bits
-        count = n * dim
-        for d in lead:
-            count *= d
-        total += count * dtype_size
-    return total
-
-
-def describe_entry(model_key: Any, tokens: Sequence[int], cache: list, nbytes: int) -> dict:
-    """One stored entry as JSON-able data (``/kvplugin/stats``)."""
-    return {
-        "model": str(model_key),
-        "tokens": len(tokens),
-        "nbytes": int(nbytes),
-        "dense_nbytes": sum(_dense_nbytes(layer) for layer in cache),
-        "layers": [type(layer).__name__ for layer in cache],
-        "bits": [_layer_bits(layer) for layer in cache],
-        "offsets": sorted({int(getattr(layer, "offset", 0) or 0) for layer in cache}),
-    }
-
-
-def _store_entries(store: Any) -> list[dict]:
-    """Every hot-tier entry, least recently used first."""
-    listing = getattr(store, "entries", None)
-    if callable(listing):
-        entries = list(listing())
-    else:  # PromptStore keeps its LRU in ``_lru`` (StoreEntry values)
-        lock = getattr(store, "_lock", None)
-        lru = getattr(store, "_lru", {})
-        if lock is not None:
-            with lock:
-                entries = list(lru.values())
-        else:
-            entries = list(lru.values())
-    out = []
-    for e in entries:
-        try:
-            out.append(describe_entry(e.model_key, e.tokens, e.cache, e.nbytes))
-        except Exception as exc:  # reporting must never fail a request
-            out.append({"error": f"{type(exc).__name__}: {exc}"})
-    return out
-
-
 class KVPluginPromptCache:
     """mlx-lm's ``LRUPromptCache`` interface over one :class:`KVService`.
 
@@ -305,17 +238,10 @@ class KVPluginPromptCache:
 
     # -- kvplugin ----------------------------------------------------------------------
     def report(self) -> dict:
-        """``service.stats()`` plus the stored entries (``GET /kvplugin/stats``)."""
-        store = self.service.store
-        lock = getattr(store, "_lock", None)  # an RLock: one consistent snapshot
-        with lock if lock is not None else contextlib.nullcontext():
-            out = self.service.stats()
-            out["entries"] = _store_entries(store)
+        """The service's report plus the host version (``GET /kvplugin/stats``)."""
+        out = self.service.report()
         out["host_version"] = str(ADAPTER.version())
-        out["max_bytes"] = store.max_bytes
-        out["max_entries"] = store.max_entries
         return out
-
 
 
 def _matched_tokens(cache: list, tokens: list[int]) -> list[int] | None:
