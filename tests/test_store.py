@@ -291,12 +291,13 @@ def test_lru_order_and_max_entries():
     s = PromptStore(max_bytes=1 << 30, max_entries=3, on_evict=lambda e: evicted.append(e.tokens[0]))
     for a in (10, 20, 30):
         s.insert("m", seq(a, 4), kv(seq(a, 4)))
-    got, n = s.fetch("m", seq(10, 3) + [99])  # copy hit on 10: becomes most recent
+    got, n = s.fetch("m", seq(10, 3) + [99])  # copy hit on 10: its recency is unchanged
     assert n == 3 and len(s) == 3
     s.insert("m", seq(40, 4), kv(seq(40, 4)))
-    assert evicted == [20]
+    assert evicted == [10]
+    s.insert("m", seq(20, 4), kv(seq(20, 4)))  # re-inserting refreshes 20
     s.insert("m", seq(50, 4), kv(seq(50, 4)))
-    assert evicted == [20, 30]
+    assert evicted == [10, 30]
     assert s.stats().evictions == 2 and s.stats().discarded == 2 and len(s) == 3
     assert all(isinstance(e, int) for e in evicted)
 
@@ -546,7 +547,7 @@ def test_atomic_write_and_modes(tmp_path, monkeypatch):
     finally:
         os.umask(old)
     mdir = _mdir(cold, "org/model")
-    files = [p for p in mdir.iterdir()]
+    files = [p for p in mdir.iterdir() if p.name != ssd_mod.MARKER]
     assert len(files) == 1 and files[0].suffix == ".safetensors"
     assert stat.S_IMODE(os.stat(cold.directory).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(mdir).st_mode) == 0o700
@@ -561,7 +562,7 @@ def test_atomic_write_and_modes(tmp_path, monkeypatch):
     monkeypatch.setattr(ssd_mod.mx, "save_safetensors", dying)
     assert cold.put("org/model", seq(50, 5), kv(seq(50, 5))) is False
     monkeypatch.setattr(ssd_mod.mx, "save_safetensors", real)
-    assert [p.name for p in mdir.iterdir()] == [files[0].name]
+    assert sorted(p.name for p in mdir.iterdir()) == sorted([files[0].name, ssd_mod.MARKER])
     assert len(cold) == 1
 
 
@@ -586,7 +587,7 @@ def test_corrupted_or_truncated_file_is_a_removed_miss(tmp_path):
     p3.write_bytes(p3.read_bytes()[:-3])
     (_mdir(cold, "m") / ("0" * 40 + ".safetensors")).write_bytes(b"not a safetensors file")
     cold2 = SSDTier(root, max_bytes=1 << 30)
-    assert len(cold2) == 0 and os.listdir(_mdir(cold, "m")) == []
+    assert len(cold2) == 0 and os.listdir(_mdir(cold, "m")) == [ssd_mod.MARKER]
     assert cold2.stats()["corrupt"] == 2
 
 
@@ -652,3 +653,20 @@ def test_store_prefers_better_cold_entry(tmp_path):
     got, n = s.fetch("m", a + [1])
     assert n == len(a) and prefix_ok(got, a) and s.stats().cold_hits == 1
     assert len(s) == 1  # b untouched
+
+
+def test_foreign_files_in_the_root_are_never_touched(tmp_path):
+    """--ssd-cache-dir may point at a folder that holds other things, even model weights."""
+    root = tmp_path / "models"
+    weights = root / "my-model-0123456789abcdef" / "model.safetensors"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"not a kvplugin file")
+    os.chmod(weights.parent, 0o755)
+    other = root / "notes.safetensors"
+    other.write_bytes(b"x")
+    cold = SSDTier(root, max_bytes=1 << 30)
+    assert cold.put("org/model", seq(0, 5), kv(seq(0, 5)))
+    SSDTier(root, max_bytes=1 << 30)  # a restart scans the root
+    assert weights.read_bytes() == b"not a kvplugin file" and other.exists()
+    assert stat.S_IMODE(os.stat(weights.parent).st_mode) == 0o755
+    assert len(SSDTier(root, max_bytes=1 << 30)) == 1

@@ -101,6 +101,10 @@ log = logging.getLogger("kvplugin.cache")
 FORMAT = "kvplugin.cache/1"
 TOKENS = "__tokens__"
 SUFFIX = ".safetensors"
+# A model subdirectory is ours only if it carries this marker: the root may be a folder
+# the user also keeps other things in (even model weights), which we must never touch.
+MARKER = ".kvplugin-tier"
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{40}" + re.escape(SUFFIX) + "$")
 _MAX_HEADER = 256 << 20
 _STALE_S = 60.0
 
@@ -406,17 +410,24 @@ class SSDTier:
         return f"{slug}-{hashlib.sha256(s.encode()).hexdigest()[:16]}"
 
     def _secure_dir(self, path: Path, create: bool) -> bool:
+        """Is ``path`` one of our model directories (marked, ours, 0o700)? Make it if asked."""
         try:
             if create:
                 try:
                     os.mkdir(path, 0o700)
+                    (path / MARKER).touch(mode=0o600)
                 except FileExistsError:
                     pass
             st = os.lstat(path)
         except OSError:
             return False
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            log.warning("kvplugin: refusing cache directory %s (not our directory)", path)
+        if (
+            not stat.S_ISDIR(st.st_mode)
+            or st.st_uid != os.getuid()
+            or not (path / MARKER).is_file()
+        ):
+            if create:
+                log.warning("kvplugin: refusing cache directory %s (not our directory)", path)
             return False
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.chmod(path, 0o700)
@@ -465,7 +476,7 @@ class SSDTier:
                     except OSError:
                         pass
                     continue
-                if not p.name.endswith(SUFFIX) or not p.is_file():
+                if not _ENTRY_NAME.match(p.name) or not p.is_file():
                     continue
                 try:
                     _, meta = _read_header(p)
