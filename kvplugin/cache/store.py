@@ -707,7 +707,9 @@ class PromptStore:
         cache = copy_prefix(entry.cache, n)
         if cache is None:
             return None
-        self._lru.move_to_end((entry.model_key, entry.tokens))
+        # The donor's recency is left alone: the caller stores its own entry (holding the
+        # same prefix) afterwards, and refreshing donors that share only a chat template's
+        # first tokens would keep old conversations alive forever.
         self._c["copied"] += 1
         return cache, n
 
