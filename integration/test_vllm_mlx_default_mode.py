@@ -1,0 +1,189 @@
+"""``vllm-mlx serve`` in its default (simple) mode with kvplugin: the flags take effect.
+
+Stock vllm-mlx ignores every KV-cache flag in this mode (HOSTS.md 2.3). With kvplugin the
+prompt cache of every pure-LLM request is kvplugin's store. Servers (one each, module-scoped):
+
+* ``stock``   -- ``KVPLUGIN_DISABLE=1``: the reference answers.
+* ``plain``   -- kvplugin at fp16 defaults, ``--enable-metrics``.
+* ``quant``   -- quantization from env variables (bits from the flag: flag beats env),
+  ``--hot-cache-only`` from its env variable, a 1 MiB store budget (evictions happen).
+* ``bounded`` -- ``--max-kv-size 256``: bounded, pre-allocated rotating caches.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import urllib.request
+
+import pytest
+from harness import answer_text, vllm_mlx_serve_cmd
+
+# Simple mode answers "busy" (503) to a request arriving while another runs unless told to wait.
+WAIT = {"VLLM_MLX_SIMPLE_ENGINE_LOCK_ADMISSION": "wait"}
+SYSTEM = {"role": "system", "content": "You are a careful assistant that knows the garden. " * 14}
+
+
+def stats(srv) -> dict:
+    return srv.get("/kvplugin/stats")
+
+
+def stream_chat(srv, messages, max_tokens=10) -> str:
+    body = {"model": srv.model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True}
+    req = urllib.request.Request(srv.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    text = ""
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices", []):
+                text += (choice.get("delta") or {}).get("content") or ""
+    return text
+
+
+def conversation(srv, i: int, turns: int = 2, max_tokens: int = 10) -> list[str]:
+    """A multi-turn chat sharing SYSTEM with every other conversation; returns the answers."""
+    history, answers = [SYSTEM], []
+    for t in range(turns):
+        history.append({"role": "user", "content": f"Visitor {i} asks ({t}): what about bed {i * 7 + t}?"})
+        a = answer_text(srv.chat(history, max_tokens=max_tokens))
+        answers.append(a)
+        history.append({"role": "assistant", "content": a})
+    return answers
+
+
+def workload(srv) -> list[str]:
+    """Cold prompts, multi-turn reuse, exact repeats, completions and a streamed chat."""
+    out = []
+    for i in range(3):
+        out += conversation(srv, i, turns=3)
+    long_user = "hello there, tell me everything about the old bridge. " * 25
+    for _ in range(2):
+        out.append(answer_text(srv.chat(long_user, max_tokens=12)))
+        out.append(answer_text(srv.complete("the cat sat on the mat by the door " * 25, max_tokens=12)))
+    out.append(stream_chat(srv, [SYSTEM, {"role": "user", "content": "Visitor 0 asks (0): what about bed 0?"}]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock(start_server):
+    return start_server(vllm_mlx_serve_cmd, env={"KVPLUGIN_DISABLE": "1", **WAIT})
+
+
+@pytest.fixture(scope="module")
+def plain(start_server):
+    return start_server(vllm_mlx_serve_cmd, "--enable-metrics", env=WAIT)
+
+
+@pytest.fixture(scope="module")
+def quant(start_server):
+    env = {
+        "KVPLUGIN_KV_CACHE_QUANTIZATION": "1",
+        "KVPLUGIN_KV_CACHE_QUANTIZATION_BITS": "8",  # the flag below wins
+        "KVPLUGIN_KV_CACHE_MIN_QUANTIZE_TOKENS": "300",
+        "KVPLUGIN_HOT_CACHE_ONLY": "1",
+        **WAIT,
+    }
+    return start_server(
+        vllm_mlx_serve_cmd, "--kv-cache-quantization-bits", "4", "--cache-memory-mb", "1", env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def bounded(start_server):
+    return start_server(vllm_mlx_serve_cmd, "--max-kv-size", "256", env=WAIT)
+
+
+def test_greedy_answers_identical_to_stock_at_fp16_defaults(stock, plain):
+    expected = workload(stock)
+    got = workload(plain)
+    assert got == expected
+    s = stats(plain)
+    assert s["store_hits"] >= 8, s  # the identity held while the cache was reused
+    assert s["entries_quantized"] == 0 and s["quantization"] is None
+    assert set(s["store_bytes_by_kind"]) == {"KVCache"}, s
+
+
+def test_no_contamination_across_concurrent_conversations(stock, plain):
+    """24 requests (12 two-turn conversations sharing a 240-token prefix) interleaved."""
+    expected = [conversation(stock, i) for i in range(100, 112)]
+    before = stats(plain)
+    with cf.ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(lambda i: conversation(plain, i), range(100, 112)))
+    assert got == expected
+    after = stats(plain)
+    assert after["store_hits"] - before["store_hits"] >= 12, after  # shared prefix reused
+
+
+def test_metrics_show_kvplugin_counters_that_move(plain):
+    def scrape() -> dict[str, float]:
+        status, text = plain.request("GET", "/metrics")
+        assert status == 200, text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("kvplugin_"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    before = scrape()
+    for name in ("kvplugin_entries_stored_total", "kvplugin_entries_quantized_total",
+                 "kvplugin_bytes_saved_total", "kvplugin_hits_total", "kvplugin_misses_total",
+                 "kvplugin_evictions_total", "kvplugin_spills_total", "kvplugin_entries"):
+        assert name in before, sorted(before)
+    conversation(plain, 500, turns=2)
+    after = scrape()
+    assert after["kvplugin_entries_stored_total"] >= before["kvplugin_entries_stored_total"] + 2
+    assert after["kvplugin_hits_total"] + after["kvplugin_misses_total"] >= (
+        before["kvplugin_hits_total"] + before["kvplugin_misses_total"] + 2
+    )
+    assert after["kvplugin_bytes_saved_total"] > before["kvplugin_bytes_saved_total"]
+
+
+def test_env_and_flags_quantize_entries_with_the_chosen_bits(quant):
+    for i in range(6):
+        conversation(quant, i)
+    s = stats(quant)
+    assert s["quantization"] == {"bits": 4, "group_size": 64, "min_tokens": 300}, s
+    assert s["hot_cache_only"] is True
+    assert s["entries_quantized"] >= 6, s
+    assert s["bytes_stored"] < 0.35 * s["bytes_before"], s  # 4-bit: ~0.28 of exact fp16
+    assert s["store_bytes_by_kind"].get("QuantizedKVCache", 0) > 0, s
+    assert s["mode"] == "simple"
+    assert any(e["bits"] == [4, 4] for e in s["entries"]), s["entries"]
+    # the 1 MiB budget evicted entries, and with --hot-cache-only they were discarded
+    assert s["store_evictions"] >= 1 and s["store_discarded"] == s["store_evictions"], s
+    assert s["store_spills"] == 0 and s["store_cold_entries"] == -1, s
+    short = quant.chat("short question about beds", max_tokens=4)  # < 300 tokens: stays fp16
+    assert answer_text(short) is not None
+
+
+def test_hot_cache_only_leaves_no_files_after_shutdown(quant):
+    quant.stop()
+    assert quant.returncode is not None
+    leftovers = [
+        os.path.relpath(os.path.join(d, f), quant.home)
+        for d, _, files in os.walk(quant.home)
+        for f in files
+    ]
+    assert leftovers == [], leftovers
+    assert not (quant.home / ".cache" / "vllm-mlx").exists()
+
+
+def test_max_kv_size_bounds_preallocated_caches(bounded):
+    long_user = "tell me everything about the old bridge and the river. " * 40  # > 256 tokens
+    for _ in range(2):
+        r = bounded.chat(long_user, max_tokens=8)
+        assert r["usage"]["prompt_tokens"] > 256 and answer_text(r)
+    conversation(bounded, 7)
+    s = stats(bounded)
+    assert s["max_kv_size"] == 256
+    assert s["caches_bounded"] >= 1, s
+    assert set(s["store_bytes_by_kind"]) == {"PreallocatedRotatingKVCache"}, s
+    # 2 layers x (K+V) x 2 heads x 64 x fp16 = 1 KiB per token: every entry <= 256 tokens
+    assert s["store_bytes"] <= s["store_entries"] * 256 * 1024, s
