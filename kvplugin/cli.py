@@ -1,4 +1,11 @@
-"""``kvplugin`` command line: ``info`` (and, from later issues, ``demo`` and ``bench``)."""
+"""``kvplugin`` command line: ``info``, ``demo`` and ``bench``.
+
+``kvplugin bench`` forwards its arguments to one benchmark: the engine level by default
+(:func:`kvplugin.bench.engine.main`), ``--server`` for real host processes
+(:func:`kvplugin.bench.server.main`), ``--quality`` for quantized-KV quality
+(:func:`kvplugin.bench.quality.main`). ``kvplugin bench [--server|--quality] --help`` shows
+that benchmark's options.
+"""
 
 from __future__ import annotations
 
@@ -44,19 +51,82 @@ def cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from kvplugin import demo
+
+    return demo.run(args)
+
+
+BENCH_MODES = {
+    "engine": ("kvplugin.bench.engine", "engine level: synthetic caches, stock vs kvplugin"),
+    "server": ("kvplugin.bench.server", "server level: real host processes, stock vs kvplugin"),
+    "quality": ("kvplugin.bench.quality", "answer quality with quantized KV entries"),
+}
+
+
+def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import importlib
+
+    mode = "server" if args.server else "quality" if args.quality else "engine"
+    module_name, _ = BENCH_MODES[mode]
+    rest = list(args.bench_args)
+    if args.help:
+        if mode == "engine":  # the overview first: how to reach the other benchmarks
+            print(parser.format_help())
+            print("engine-level options (the default benchmark):\n")
+        rest = ["--help"]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            print(f"kvplugin bench: the {mode} benchmark is not part of this kvplugin build "
+                  f"({module_name} is missing)", file=sys.stderr)
+            return 2
+        raise
+    return int(module.main(rest) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvplugin", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvplugin", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=kvplugin.__version__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="version, hosts, plugins and resolved settings")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    info = sub.add_parser("info", help="version, hosts, plugins and resolved settings",
+                          description="Version, hosts, plugins and the resolved settings with "
+                                      "their sources (flag > env > default).")
     add_options(info)
     info.set_defaults(func=cmd_info, subparser=info)
+
+    from kvplugin import demo
+
+    demo_parser = demo.build_parser()
+    dp = sub.add_parser("demo", help="start a host on a tiny local model and show kvplugin at "
+                        "work (offline)", description=demo_parser.description,
+                        epilog=demo_parser.epilog, parents=[demo_parser], add_help=False)
+    dp.set_defaults(func=cmd_demo, subparser=dp)
+
+    bench = sub.add_parser(
+        "bench", add_help=False, help="stock vs kvplugin benchmarks (engine, --server, --quality)",
+        usage="kvplugin bench [--server | --quality] [-h] [OPTIONS...]",
+        description="Stock vs kvplugin in one run. Without a mode: the engine-level benchmark. "
+                    "Every other option goes to the chosen benchmark; "
+                    "`kvplugin bench [--server|--quality] --help` lists them.",
+    )
+    mode = bench.add_mutually_exclusive_group()
+    mode.add_argument("--server", action="store_true", help=BENCH_MODES["server"][1])
+    mode.add_argument("--quality", action="store_true", help=BENCH_MODES["quality"][1])
+    bench.add_argument("-h", "--help", action="store_true",
+                       help="show the chosen benchmark's options and exit")
+    bench.set_defaults(func=cmd_bench, subparser=bench, bench_args=[])
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        if args.command != "bench":
+            args.subparser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.bench_args = rest
     return args.func(args, args.subparser)
 
 
