@@ -110,11 +110,16 @@ class KVService:
 
         Returns ``(cache, n)``: the cache covers the first ``n`` tokens of ``tokens``
         (at least one token is always left to process), or ``(None, 0)`` on a miss.
+        Plain layers get their growth room back one layer at a time
+        (:func:`~kvplugin.cache.trim.with_headroom`), so the next token does not make
+        every layer grow at once.
         """
+        from kvplugin.cache.trim import with_headroom
+
         cache, n = self.store.fetch(model_key, list(tokens))
         if cache is None:
             return None, 0
-        return self.restore(cache), n
+        return with_headroom(self.restore(cache)), n
 
     def restore(self, cache: list) -> list:
         restored = self.pm.hook.kvplugin_dequantize_entry(cache=cache, settings=self.settings)

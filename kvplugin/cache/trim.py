@@ -36,7 +36,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
 
-__all__ = ["trim_entry", "trim_layer", "is_exact", "entry_arrays", "entry_nbytes", "entry_tokens"]
+__all__ = [
+    "trim_entry", "trim_layer", "is_exact", "entry_arrays", "entry_nbytes", "entry_tokens",
+    "with_headroom",
+]
 
 # Exact types only: a subclass (e.g. a host's own) may give ``offset`` another meaning.
 _PLAIN = (KVCache,)
@@ -199,3 +202,32 @@ def entry_tokens(cache: list) -> int:
         if isinstance(off, int) and not isinstance(off, bool):
             best = max(best, off)
     return best
+
+
+def with_headroom(cache: list, tokens: int | None = None) -> list:
+    """Give a reused entry's exact plain layers room for ``tokens`` more, one layer at a time.
+
+    Why: a trimmed entry has no free slot, so the first token after a reuse makes *every*
+    layer grow by concatenation inside one forward pass — old and new buffers of all layers
+    alive together, 2x the entry, exactly the spike move-not-copy is meant to avoid. Growing
+    here, layer by layer with an ``mx.eval`` in between, bounds the transient to the entry
+    plus one layer's new buffer (1 + 1/L of the entry for L layers). ``tokens`` defaults to
+    each layer's growth ``step`` (256 unless ``--kv-cache-step`` set it). Mutates and returns
+    ``cache``; the caller owns it (a moved or copied entry). Other layer kinds: untouched.
+    """
+    for layer in cache:
+        if type(layer) not in _PLAIN or layer.keys is None:
+            continue
+        n = int(layer.offset)
+        room = int(tokens if tokens is not None else getattr(layer, "step", 256))
+        if room <= 0 or layer.keys.shape[2] - n >= room:
+            continue
+        grown = []
+        for old in (layer.keys, layer.values):
+            shape = (*old.shape[:2], n + room, old.shape[3])
+            new = mx.zeros(shape, dtype=old.dtype)
+            new[..., :n, :] = old[..., :n, :]
+            grown.append(new)
+        mx.eval(grown)
+        layer.keys, layer.values = grown
+    return cache
