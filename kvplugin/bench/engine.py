@@ -49,7 +49,7 @@ from kvplugin.bench.report import (
     format_table,
     goals_table,
     percentile,
-    write_json,
+    save_results,
 )
 
 __all__ = ["main", "build_parser", "run", "GOALS"]
@@ -854,10 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(goals_table([Goal(**{k: v for k, v in g.items() if k not in ("verdict", "met")})
                        for g in res["goals"]]))
-    path = write_json(out / "engine.json", _strip_private(res))
-    print(f"\nJSON: {path}")
-    for name, p in res["plots"].items():
-        print(f"plot {name}: {p}")
+    save_results(out / "engine.json", _strip_private(res))
     return 0
 
 

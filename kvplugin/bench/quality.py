@@ -40,7 +40,7 @@ from kvplugin.bench.report import (
     environment,
     format_table,
     goals_table,
-    write_json,
+    save_results,
 )
 
 __all__ = ["main", "build_parser", "evaluate", "GOALS", "BITS", "GROUPS"]
@@ -383,10 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(res))
     print()
     print(goals_table(goals))
-    path = write_json(out / "quality.json", res)
-    print(f"\nJSON: {path}")
-    for name, p in res["plots"].items():
-        print(f"plot {name}: {p}")
+    save_results(out / "quality.json", res)
     return 0
 
 

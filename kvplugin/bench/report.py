@@ -13,7 +13,7 @@ import platform
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = [
     "Goal",
@@ -146,6 +146,15 @@ def write_json(path: Path, data: Any) -> Path:
     tmp.write_text(json.dumps(data, indent=2, default=_json_default, allow_nan=False) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def save_results(path: Path, data: Mapping[str, Any]) -> Path:
+    """Write a bench's JSON and say where it and its plots went (every bench ends so)."""
+    written = write_json(path, data)
+    print(f"\nJSON: {written}")
+    for name, plot in (data.get("plots") or {}).items():
+        print(f"plot {name}: {plot}")
+    return written
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

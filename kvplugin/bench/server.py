@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kvplugin import hostproc
+from kvplugin.bench import plots
 from kvplugin.bench.report import (
     Goal,
     Progress,
@@ -53,7 +54,7 @@ from kvplugin.bench.report import (
     fmt_ratio,
     format_table,
     goals_table,
-    write_json,
+    save_results,
 )
 from kvplugin.demo import (
     HOSTS,
@@ -819,20 +820,9 @@ def tables(res: Mapping[str, Any]) -> str:
 # plots
 
 
-def _pyplot() -> Any | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 def plot_memory(res: Mapping[str, Any], path: Path) -> Path | None:
     """RSS over time during the reuse phase (left) and per-request peaks (right)."""
-    plt = _pyplot()
+    plt = plots._pyplot()
     if plt is None:
         return None
     colours = {"stock": "#d62728", "kvplugin": "#1f77b4"}
@@ -880,7 +870,7 @@ def plot_memory(res: Mapping[str, Any], path: Path) -> Path | None:
 
 def plot_ttft(res: Mapping[str, Any], path: Path) -> Path | None:
     """Cold vs warm time to first token per prefix size, stock and kvplugin (log scale)."""
-    plt = _pyplot()
+    plt = plots._pyplot()
     if plt is None:
         return None
     sizes = list(res["kvplugin"]["ttft"])
@@ -1034,10 +1024,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(goals_table([Goal(**{k: v for k, v in g.items() if k not in ("verdict", "met")})
                        for g in res["goals"]], "Goals (issue 6, server level)"))
-    path = write_json(out / "server.json", res)
-    print(f"\nJSON: {path}")
-    for name, p in res["plots"].items():
-        print(f"plot {name}: {p}")
+    save_results(out / "server.json", res)
     return 0
 
 
