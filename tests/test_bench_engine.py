@@ -80,8 +80,10 @@ def test_move_beats_deepcopy(report):
     stock = reuse["resend/stock"]["first_update_peak_ratio"]
     moved = reuse["resend/kvplugin"]["first_update_peak_ratio"]
     assert stock == pytest.approx(2.0, abs=0.05)  # deepcopy + first write = a second copy
-    assert moved < stock
-    assert moved == pytest.approx(1.0, abs=0.05)  # fetch moves, the re-fed token fits in place
+    assert moved > 1.0  # the trimmed entry gets its growth room back at the fetch
+    for scenario in ("resend", "next_turn"):  # in bytes, kvplugin's reuse peaks lower
+        assert (reuse[f"{scenario}/kvplugin"]["peak_bytes"]
+                < reuse[f"{scenario}/stock"]["peak_bytes"])
     assert (reuse["next_turn/move_untrimmed"]["transient_ratio"]
             < reuse["next_turn/stock"]["transient_ratio"])
     # afterwards the stock store still holds its copy; kvplugin holds only the live cache

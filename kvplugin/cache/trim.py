@@ -211,19 +211,17 @@ def with_headroom(cache: list, tokens: int | None = None) -> list:
     layer grow by concatenation inside one forward pass — old and new buffers of all layers
     alive together, 2x the entry, exactly the spike move-not-copy is meant to avoid. Growing
     here, layer by layer with an ``mx.eval`` in between, bounds the transient to the entry
-    plus one layer's new buffer (1 + 1/L of the entry for L layers). Without ``tokens``, only
-    full layers grow, by their growth ``step`` (256 unless ``--kv-cache-step`` set it): an
-    exact hit comes back with the one free slot its re-fed token needs, and copying it for
-    room it may never use would cost more than it saves. Mutates and returns ``cache``; the
-    caller owns it (a moved or copied entry). Other layer kinds: untouched.
+    plus one layer's old buffer: the peak is what is held afterwards + 1/L of the entry,
+    where growing every layer at once holds it + the whole entry. ``tokens`` defaults to
+    each layer's growth ``step`` (256 unless ``--kv-cache-step`` set it). Mutates and returns
+    ``cache``; the caller owns it (a moved or copied entry). Other layer kinds: untouched.
     """
     for layer in cache:
         if type(layer) not in _PLAIN or layer.keys is None:
             continue
         n = int(layer.offset)
         room = int(tokens if tokens is not None else getattr(layer, "step", 256))
-        free = layer.keys.shape[2] - n
-        if room <= 0 or free >= room or (tokens is None and free > 0):
+        if room <= 0 or layer.keys.shape[2] - n >= room:
             continue
         grown = []
         for old in (layer.keys, layer.values):
