@@ -599,10 +599,11 @@ def _goals(res: dict[str, Any]) -> list[Goal]:
             grow = next((e for e, p in zip(kv["series"]["events"][1:], kv["series"]["peak_mib"][1:])
                          if p * MiB > GOALS["transient_on_reuse"] * kv["entry_bytes"]), "?")
             note += (
-                f". Missed at '{grow}': the entry is stored trimmed to exactly its tokens, so the "
-                "first token beyond them makes every layer grow (mlx-lm's KVCache concatenates "
-                "a new buffer) and a forward pass evaluates all layers together, so old and new "
-                "buffers coexist"
+                f". Missed at '{grow}': the entry is stored trimmed to exactly its tokens, so it "
+                "must grow before new tokens fit; the fetch grows it one layer at a time "
+                "(with_headroom), which bounds the peak to what is held afterwards (entry + "
+                "256 slots of room) plus one layer's old buffer, 1/L of the entry: the goal "
+                "needs L >= ~50 layers at this size"
             )
             unt = reuse.get(f"{scen}/move_untrimmed")
             if unt:
