@@ -32,6 +32,16 @@ _TYPES = {
     "ssd_cache_max_gb": float,
 }
 
+_METAVARS = {
+    "kv_cache_quantization_bits": "BITS",
+    "kv_cache_quantization_group_size": "SIZE",
+    "kv_cache_min_quantize_tokens": "TOKENS",
+    "max_kv_size": "TOKENS",
+    "kv_cache_step": "TOKENS",
+    "ssd_cache_dir": "DIR",
+    "ssd_cache_max_gb": "GB",
+}
+
 
 def _help(info: OptionInfo, host_help: str | None = None) -> str:
     text = host_help or info.help
@@ -75,6 +85,7 @@ def add_options(
                 dest=info.field,
                 type=_TYPES[info.field],
                 default=None,
+                metavar=_METAVARS[info.field],
                 help=_help(info),
             )
         dests[info.field] = action.dest
