@@ -287,13 +287,15 @@ def test_prompt_cache_survives_store_errors(service, monkeypatch):
     pc.insert_cache("m", [1, 2, 3], _entry(3))  # dropped, no exception
 
 
-def test_matched_tokens_aligns_key_and_cache():
+def test_key_for_cache_aligns_key_and_cache():
+    from kvplugin.cache.trim import key_for_cache
+
     tokens = list(range(20))
-    assert host._matched_tokens(_entry(20), tokens) == tokens
-    assert host._matched_tokens(_entry(15), tokens) == tokens[:15]  # key cut to the cache
+    assert key_for_cache(_entry(20), tokens) == tokens
+    assert key_for_cache(_entry(15), tokens) == tokens[:15]  # key cut to the cache
     longer = _entry(25)
-    assert host._matched_tokens(longer, tokens) == tokens and longer[0].offset == 20
-    assert host._matched_tokens([KVCache(), KVCache()], tokens) is None
+    assert key_for_cache(longer, tokens) == tokens and longer[0].offset == 20
+    assert key_for_cache([KVCache(), KVCache()], tokens) is None
 
 
 # --------------------------------------------------------------------------- cache construction

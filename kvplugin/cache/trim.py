@@ -38,7 +38,7 @@ from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
 
 __all__ = [
     "trim_entry", "trim_layer", "is_exact", "entry_arrays", "entry_nbytes", "entry_tokens",
-    "with_headroom",
+    "with_headroom", "key_for_cache",
 ]
 
 # Exact types only: a subclass (e.g. a host's own) may give ``offset`` another meaning.
@@ -232,3 +232,25 @@ def with_headroom(cache: list, tokens: int | None = None) -> list:
         mx.eval(grown)
         layer.keys, layer.values = grown
     return cache
+
+
+def key_for_cache(cache: list, tokens: list[int]) -> list[int] | None:
+    """The store key that matches what ``cache`` really holds, or ``None`` to skip storing.
+
+    Hosts key an entry by the tokens they fed; a cache may hold fewer (an unreported
+    prefill) or more (an EOS fed but not returned). Cut the key, or trim the cache when it
+    is trimmable, rather than store an entry whose key lies about its contents — a wrong key
+    would hand one conversation's KV to another.
+    """
+    held = entry_tokens(cache)
+    if held == len(tokens):
+        return tokens
+    if held <= 0:
+        return None
+    if held < len(tokens):
+        return tokens[:held]
+    if all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
+        for c in cache:
+            c.trim(held - len(tokens))
+        return tokens
+    return None

@@ -220,9 +220,11 @@ class KVPluginPromptCache:
         *,
         cache_type: str = "assistant",
     ) -> None:
+        from kvplugin.cache.trim import key_for_cache
+
         try:
             tokens = list(tokens)
-            entry_tokens = _matched_tokens(prompt_cache, tokens)
+            entry_tokens = key_for_cache(prompt_cache, tokens)
             if entry_tokens is None:
                 return
             self.service.insert(model_fingerprint(model), entry_tokens, prompt_cache)
@@ -242,29 +244,6 @@ class KVPluginPromptCache:
         out = self.service.report()
         out["host_version"] = str(ADAPTER.version())
         return out
-
-
-def _matched_tokens(cache: list, tokens: list[int]) -> list[int] | None:
-    """The key that matches what ``cache`` holds (layers' ``offset``), or None to skip.
-
-    mlx-lm's paths store ``len(tokens) == offset``; if a future release differs, cut the
-    key (cache shorter) or trim the cache (cache longer, when trimmable) rather than
-    store an entry whose key lies about its contents.
-    """
-    from kvplugin.cache.trim import entry_tokens
-
-    held = entry_tokens(cache)
-    if held == len(tokens):
-        return tokens
-    if held <= 0:
-        return None
-    if held < len(tokens):
-        return tokens[:held]
-    if all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
-        for c in cache:
-            c.trim(held - len(tokens))
-        return tokens
-    return None
 
 
 # --------------------------------------------------------------------------- #

@@ -717,19 +717,12 @@ def _cached_generation(original, service, key, model, tokenizer, prompt, max_tok
 def _give_back(service: Any, key: str, sequence: list[int], cache: list) -> None:
     """Hand a finished request's cache to the store, keyed by exactly what it holds."""
     try:
-        from kvplugin.cache.trim import entry_tokens
+        from kvplugin.cache.trim import key_for_cache
 
-        held = entry_tokens(cache)
-        if held > len(sequence):  # e.g. an EOS fed but not reported: drop the unknown tail
-            extra = held - len(sequence)
-            if not all(c.is_trimmable() for c in cache):
-                return
-            for layer in cache:
-                layer.trim(extra)
-            held = len(sequence)
-        if held < 2:
+        tokens = key_for_cache(cache, sequence)
+        if tokens is None or len(tokens) < 2:
             return
-        service.insert(key, sequence[:held], cache)
+        service.insert(key, tokens, cache)
     except Exception as exc:  # never fail a finished request because of the store
         say(f"storing a prompt cache failed ({type(exc).__name__}: {exc})", key="store-failed")
 
