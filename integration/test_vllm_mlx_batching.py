@@ -27,32 +27,12 @@ from harness import answer_text, vllm_mlx_serve_cmd
 
 CB = ("--continuous-batching",)
 ONE_AT_A_TIME = ("--prefill-batch-size", "1", "--completion-batch-size", "1")
-SYSTEM = {"role": "system", "content": "You are a careful assistant that knows the garden. " * 14}
-
-
-def stats(srv) -> dict:
-    return srv.get("/kvplugin/stats")
-
-
-def conversation(srv, i: int, turns: int = 2, max_tokens: int = 10) -> list[str]:
-    history, answers = [SYSTEM], []
-    for t in range(turns):
-        history.append({"role": "user", "content": f"Visitor {i} asks ({t}): what about bed {i * 7 + t}?"})
-        a = answer_text(srv.chat(history, max_tokens=max_tokens))
-        answers.append(a)
-        history.append({"role": "assistant", "content": a})
-    return answers
+from vllm_workload import SYSTEM, conversation, stats
+from vllm_workload import workload as _workload
 
 
 def workload(srv) -> list[str]:
-    out = []
-    for i in range(3):
-        out += conversation(srv, i, turns=3)
-    long_user = "hello there, tell me everything about the old bridge. " * 25
-    for _ in range(2):
-        out.append(answer_text(srv.chat(long_user, max_tokens=12)))
-        out.append(answer_text(srv.complete("the cat sat on the mat by the door " * 25, max_tokens=12)))
-    return out
+    return _workload(srv, stream=False)
 
 
 def start_in(tiny_model, workdir: Path, *extra: str, env=None) -> harness.ServerProcess:

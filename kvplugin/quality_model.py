@@ -35,7 +35,6 @@ Command line: ``python -m kvplugin.quality_model [DIR] [--force] [--quick]``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import hashlib
 import json
@@ -46,6 +45,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from kvplugin.tinymodel import build_lock
 
 __all__ = [
     "ModelSpec",
@@ -340,22 +341,6 @@ def is_built(directory: Path, spec: ModelSpec = SPEC) -> bool:
     )
 
 
-@contextlib.contextmanager
-def _lock(directory: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        yield
-        return
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f".{directory.name}.lock", "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _eval_loss(model, docs: list[list[int]]) -> float:
     import mlx.core as mx
     import mlx.nn as nn
@@ -431,7 +416,7 @@ def build_quality_model(directory: Path | None = None, *, spec: ModelSpec = SPEC
     directory = Path(directory or default_model_dir(spec)).expanduser().resolve()
     if not force and is_built(directory, spec):
         return directory
-    with _lock(directory):
+    with build_lock(directory):
         if not force and is_built(directory, spec):
             return directory
         directory.mkdir(parents=True, exist_ok=True)

@@ -331,15 +331,15 @@ def is_complete(directory: Path, *, seed: int | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def _lock(directory: Path) -> Iterator[None]:
-    """Serialise concurrent builders of the same directory (POSIX only)."""
+def build_lock(directory: Path) -> Iterator[None]:
+    """Serialise concurrent builders of ``directory`` (a lock file beside it; POSIX only)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - non-POSIX
         yield
         return
-    lock_path = directory / ".kvplugin-tiny-model.lock"
-    with open(lock_path, "a+") as fh:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{directory.name}.lock", "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -368,7 +368,7 @@ def build_tiny_model(directory: Path, *, seed: int = 0, force: bool = False) -> 
     if not force and is_complete(directory, seed=seed):
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    with _lock(directory):
+    with build_lock(directory):
         if not force and is_complete(directory, seed=seed):
             return directory  # another process finished it while we waited
         (directory / _MARKER).unlink(missing_ok=True)

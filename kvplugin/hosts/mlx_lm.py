@@ -44,7 +44,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
