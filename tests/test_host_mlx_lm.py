@@ -375,29 +375,7 @@ def test_load_wrapper_unloads_and_raises(adapter):
 # --------------------------------------------------------------------------- fingerprint
 
 
-def test_model_fingerprint(tmp_path):
-    d = tmp_path / "my-model"
-    d.mkdir()
-    (d / "config.json").write_text('{"a": 1}')
-    (d / "model.safetensors").write_bytes(b"x" * 10)
-    key = host.model_fingerprint((str(d), None, None))
-    assert key.startswith("my-model-") and key == host.model_fingerprint((str(d), None, None))
-    host._FINGERPRINTS.clear()
-    assert host.model_fingerprint((str(d), None, None)) == key  # stable across processes
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "config.json").write_text('{"a": 2}')
-    assert host.model_fingerprint((str(other), None, None)) != key
-    assert host.model_fingerprint((str(d), str(other), None)) != key  # an adapter counts
-    (d / "config.json").write_text('{"a": 3}')  # a changed checkpoint
-    host._FINGERPRINTS.clear()
-    assert host.model_fingerprint((str(d), None, None)) != key
-    remote = host.model_fingerprint(("org/repo-not-cached", None, None))
-    assert remote.startswith("repo-not-cached-")
-    assert host.model_fingerprint(object()).startswith("model-")
 
-
-# --------------------------------------------------------------------------- batched path
 
 
 def test_batched_path_caches_stay_bounded(adapter):

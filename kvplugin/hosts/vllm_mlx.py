@@ -134,7 +134,7 @@ class _Runtime:
         bound = self.settings.max_kv_size or 0
         if self.model_id:
             if self._model_fp is None:
-                from kvplugin.hosts.mlx_lm import model_fingerprint
+                from kvplugin.cache.fingerprint import model_fingerprint
 
                 self._model_fp = model_fingerprint(str(self.model_id))
             base = self._model_fp

@@ -1,0 +1,28 @@
+"""The store's model key."""
+
+from __future__ import annotations
+
+from kvplugin.cache import fingerprint as fp
+
+
+def test_model_fingerprint(tmp_path):
+    d = tmp_path / "my-model"
+    d.mkdir()
+    (d / "config.json").write_text('{"a": 1}')
+    (d / "model.safetensors").write_bytes(b"x" * 10)
+    key = fp.model_fingerprint((str(d), None, None))
+    assert key.startswith("my-model-") and key == fp.model_fingerprint((str(d), None, None))
+    fp._FINGERPRINTS.clear()
+    assert fp.model_fingerprint((str(d), None, None)) == key  # stable across processes
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"a": 2}')
+    assert fp.model_fingerprint((str(other), None, None)) != key
+    assert fp.model_fingerprint((str(d), str(other), None)) != key  # an adapter counts
+    (d / "config.json").write_text('{"a": 3}')  # a changed checkpoint
+    fp._FINGERPRINTS.clear()
+    assert fp.model_fingerprint((str(d), None, None)) != key
+    remote = fp.model_fingerprint(("org/repo-not-cached", None, None))
+    assert remote.startswith("repo-not-cached-")
+    assert fp.model_fingerprint(object()).startswith("model-")
+
