@@ -717,6 +717,15 @@ class PromptStore:
         self._c["hits"] += 1
         self._c["tokens_reused"] += n
 
+    def _serve_hot(self, plan) -> tuple[list | None, int]:
+        """Under the lock: serve ``plan`` (or miss) and count it."""
+        got = self._execute(plan) if plan else None
+        if got is None:
+            self._c["misses"] += 1
+            return None, 0
+        self._hit(got[1])
+        return got
+
     # ---------------------------------------------------------------- API
 
     def insert(
@@ -794,25 +803,14 @@ class PromptStore:
                     except Exception:
                         log.exception("kvplugin: cold tier probe failed")
             if not want_cold:
-                got = self._execute(plan) if plan else None
-                if got is None:
-                    self._c["misses"] += 1
-                    return None, 0
-                self._hit(got[1])
-                return got
+                return self._serve_hot(plan)
         got = self._fetch_cold(model_key, key)
         with self._lock:
             if got is not None:
                 self._hit(got[1])
                 self._c["cold_hits"] += 1
                 return got
-            plan = self._plan(model_key, key)
-            got = self._execute(plan) if plan else None
-            if got is None:
-                self._c["misses"] += 1
-                return None, 0
-            self._hit(got[1])
-            return got
+            return self._serve_hot(self._plan(model_key, key))
 
     def _fetch_cold(self, model_key, key):
         """Outside the lock.  (cache, n) with 1 <= n < len(key), or None."""
