@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from kvplugin.tinymodel import build_lock
+from kvplugin.tinymodel import build_lock, kvplugin_home
 
 __all__ = [
     "ModelSpec",
@@ -306,16 +306,10 @@ def heldout_documents(length: int, n_story: int, *, spec: "ModelSpec | None" = N
 def default_model_dir(spec: ModelSpec = SPEC) -> Path:
     """``$KVPLUGIN_HOME/quality-model-v<N>`` or ``$XDG_CACHE_HOME/kvplugin/...``
     (``~/.cache/kvplugin/quality-model-v<N>``); a non-default spec gets its fingerprint."""
-    home = os.environ.get("KVPLUGIN_HOME")
-    if home:
-        base = Path(home).expanduser()
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvplugin"
     name = f"quality-model-v{spec.version}"
     if spec != SPEC:
         name += f"-{spec.fingerprint()}"
-    return base / name
+    return kvplugin_home() / name
 
 
 def _new_model(spec: ModelSpec):

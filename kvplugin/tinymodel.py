@@ -104,19 +104,19 @@ _FILES = (
 )
 
 
-def default_model_dir() -> Path:
-    """Per-user cache location of the tiny model.
-
-    ``$KVPLUGIN_HOME/tiny-model-v<N>`` if ``KVPLUGIN_HOME`` is set, else
-    ``$XDG_CACHE_HOME/kvplugin/tiny-model-v<N>`` (``~/.cache`` by default).
-    """
+def kvplugin_home() -> Path:
+    """Where kvplugin keeps what it builds locally (models): ``$KVPLUGIN_HOME``, else
+    ``$XDG_CACHE_HOME/kvplugin`` (``~/.cache/kvplugin`` by default)."""
     home = os.environ.get("KVPLUGIN_HOME")
     if home:
-        base = Path(home).expanduser()
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvplugin"
-    return base / f"tiny-model-v{MODEL_VERSION}"
+        return Path(home).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvplugin"
+
+
+def default_model_dir() -> Path:
+    """Per-user cache location of the tiny model: ``<kvplugin_home()>/tiny-model-v<N>``."""
+    return kvplugin_home() / f"tiny-model-v{MODEL_VERSION}"
 
 
 def model_config() -> dict[str, Any]:
@@ -151,7 +151,14 @@ def model_config() -> dict[str, Any]:
 
 
 def _train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     from kvplugin._corpus import CORPUS
 
