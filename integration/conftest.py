@@ -29,6 +29,7 @@ except ImportError:  # a plain checkout: use the repo's copy
     sys.path.insert(0, str(_HERE.parent))
 
 import harness  # noqa: E402
+
 from kvplugin.tinymodel import build_tiny_model  # noqa: E402
 
 

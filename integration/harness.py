@@ -12,7 +12,6 @@ from kvplugin.hostproc import (
     vllm_mlx_serve_cmd,
 )
 
-
 # --------------------------------------------------------------------------- #
 # pytest glue
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import urllib.request
 
@@ -54,3 +55,16 @@ def workload(srv, *, stream: bool = True) -> list[str]:
     if stream:
         out.append(stream_chat(srv, [SYSTEM, {"role": "user", "content": "Visitor 0 asks (0): what about bed 0?"}]))
     return out
+
+
+def assert_no_contamination(stock, plain) -> None:
+    """24 requests (12 two-turn conversations sharing a 240-token prefix), all at once on
+    ``plain``; each must answer exactly what ``stock`` answers for it alone, and the shared
+    prefix must really have been reused."""
+    expected = [conversation(stock, i) for i in range(100, 112)]
+    before = stats(plain)
+    with cf.ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(lambda i: conversation(plain, i), range(100, 112)))
+    assert got == expected
+    after = stats(plain)
+    assert after["store_hits"] - before["store_hits"] >= 12, after
