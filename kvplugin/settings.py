@@ -1,9 +1,16 @@
 """Every kvplugin option in one pydantic-settings model.
 
-Each field has one CLI flag (``--`` + the field name with dashes) and one environment
-variable (``KVPLUGIN_`` + the field name upper-cased). Values resolve as
-**flag > env > default**, exactly: flags are passed as init arguments (pydantic-settings
-ranks them above the environment) and only when the user really gave them.
+Each field has one CLI flag (``--`` + the field name with dashes), one environment
+variable (``KVPLUGIN_`` + the field name upper-cased) and one key in the configuration
+file (the field name; see :mod:`kvplugin.config_sources`). Values resolve as
+**flag > env > file > default**, exactly: flags are passed as init arguments
+(pydantic-settings ranks them above the environment, and the environment above its own TOML
+source) and only when the user really gave them.
+
+Nothing is a silent no-op: a bits, group-size or threshold setting without
+``kv_cache_quantization`` turns quantization on (unless it was explicitly switched off), an
+unknown ``KVPLUGIN_*`` variable or file key is named with its likely intended spelling, and
+booleans accept only true/false, 1/0, yes/no, on/off.
 
 Validation errors are re-raised as :class:`SettingsError`, whose message names the flag,
 the env variable, the offending value and the allowed values, because users meet these
@@ -12,6 +19,7 @@ errors at server start-up and should not have to guess which spelling they used.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,13 +27,31 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
-ENV_PREFIX = "KVPLUGIN_"
+from kvplugin import config_sources
+from kvplugin.config_sources import BOOL_WORDS, ENV_PREFIX, ConfigFile, ConfigFileError
+
+# The file the current resolve_settings() call reads (pydantic-settings builds its sources
+# in a classmethod, so the choice travels in a context variable, not a global).
+_CONFIG_FILE: contextvars.ContextVar[ConfigFile | None] = contextvars.ContextVar(
+    "kvplugin_config_file", default=None
+)
+# Options that only make sense with quantization: giving one turns quantization on.
+QUANTIZATION_DETAILS = (
+    "kv_cache_quantization_bits",
+    "kv_cache_quantization_group_size",
+    "kv_cache_min_quantize_tokens",
+)
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 
-Source = Literal["flag", "env", "default"]
+Source = Literal["flag", "env", "file", "implied", "default"]
 
 
 class SettingsError(ValueError):
@@ -54,6 +80,24 @@ class KVPluginSettings(BaseSettings):
         frozen=True,
         validate_default=True,
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """flag (init) > env > the one TOML file > default; no dotenv, no secrets dir."""
+        config = _CONFIG_FILE.get()
+        if config is None:
+            return init_settings, env_settings
+        toml = TomlConfigSettingsSource(
+            settings_cls, toml_file=config.path, toml_table_header=config.table or None
+        )
+        return init_settings, env_settings, toml
 
     kv_cache_quantization: bool = Field(
         False, description="Store prompt-cache entries quantized."
@@ -100,6 +144,26 @@ class KVPluginSettings(BaseSettings):
         description="Size bound of the cold tier in GB (10^9 bytes).",
         json_schema_extra={"allowed": "a number > 0"},
     )
+
+    @field_validator("kv_cache_quantization", "hot_cache_only", mode="before")
+    @classmethod
+    def _strict_bool(cls, v: Any) -> Any:
+        """pydantic also takes "t", "y", "f", "n" ...; users get exactly the documented words."""
+        if isinstance(v, str):
+            parsed = config_sources.parse_bool_word(v)
+            if parsed is None:
+                raise ValueError("not a boolean")
+            return parsed
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _details_imply_quantization(cls, data: Any) -> Any:
+        """``--kv-cache-quantization-bits 4`` alone means "quantize at 4 bits", not "no-op"."""
+        if isinstance(data, dict) and "kv_cache_quantization" not in data:
+            if any(data.get(name) not in (None, "") for name in QUANTIZATION_DETAILS):
+                data = {**data, "kv_cache_quantization": True}
+        return data
 
     @field_validator("kv_cache_quantization_bits")
     @classmethod
@@ -153,18 +217,20 @@ class KVPluginSettings(BaseSettings):
             raise ValueError(f"{probe} is not writable")
         return v
 
-    @model_validator(mode="after")
-    def _hot_only_excludes_ssd(self) -> KVPluginSettings:
-        if self.hot_cache_only and self.ssd_cache_dir is not None:
-            raise ValueError(
-                "--hot-cache-only (KVPLUGIN_HOT_CACHE_ONLY) forbids writing to disk, but "
-                "--ssd-cache-dir (KVPLUGIN_SSD_CACHE_DIR) names a directory: choose one"
-            )
-        return self
-
     @property
     def ssd_cache_max_bytes(self) -> int:
         return int(self.ssd_cache_max_gb * 1e9)
+
+    @property
+    def cold_tier_dir(self) -> Path | None:
+        """The SSD tier's directory in force: none under ``hot_cache_only``.
+
+        ``--hot-cache-only`` is a switch over whatever tier is configured (oMLX's
+        ``hot_cache_only``): a launch script or shell profile that always names a
+        directory must not stop the server, so the switch wins and :func:`notices` says
+        the directory is not used.
+        """
+        return None if self.hot_cache_only else self.ssd_cache_dir
 
 
 def option_infos() -> list[OptionInfo]:
@@ -179,7 +245,7 @@ def option_infos() -> list[OptionInfo]:
                 flag="--" + name.replace("_", "-"),
                 env=ENV_PREFIX + name.upper(),
                 help=field.description or "",
-                allowed=str(extra.get("allowed", "true/false (1/0, yes/no)" if is_bool else "")),
+                allowed=str(extra.get("allowed", BOOL_WORDS if is_bool else "")),
                 is_bool=is_bool,
             )
         )
@@ -193,15 +259,21 @@ def option_info(field: str) -> OptionInfo:
     raise KeyError(field)
 
 
-def _describe(error: dict[str, Any], flags: Mapping[str, Any]) -> str:
+def _describe(
+    error: dict[str, Any], flags: Mapping[str, Any], file: ConfigFile | None, file_data: Mapping
+) -> str:
     loc = error.get("loc") or ()
     if not loc:  # a model-level rule: its message already names flags and env vars
         return str(error["msg"]).removeprefix("Value error, ")
     info = option_info(str(loc[0]))
     if info.field in flags:
         got = f"{info.flag} {flags[info.field]!r}"
-    else:
+    elif os.environ.get(info.env, "").strip():
         got = f"{info.env}={os.environ.get(info.env, '')!r}"
+    elif file is not None and info.field in file_data:
+        got = f"{info.field} = {file_data[info.field]!r} in {file.describe()}"
+    else:
+        got = "the default"
     reason = str(error["msg"]).removeprefix("Value error, ")
     return (
         f"invalid value for {info.flag} / {info.env}: got {got} ({reason}); "
@@ -209,32 +281,103 @@ def _describe(error: dict[str, Any], flags: Mapping[str, Any]) -> str:
     )
 
 
+def _config_file() -> tuple[ConfigFile | None, dict]:
+    """The configuration file in force and its kvplugin table, checked for unknown keys."""
+    try:
+        file = config_sources.find_config_file()
+        data = file.read() if file is not None else {}
+    except ConfigFileError as exc:
+        raise SettingsError(f"kvplugin: configuration file: {exc}") from None
+    fields = list(KVPluginSettings.model_fields)
+    bad = []
+    for key in data:
+        if key not in fields:
+            hint = config_sources.closest(key.replace("-", "_"), fields)
+            bad.append(f"unknown key {key!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
+    if bad:
+        raise SettingsError(f"kvplugin: configuration file {file.describe()}: " + "; ".join(bad))
+    return file, data
+
+
+def _check_process_variables() -> None:
+    """``KVPLUGIN_DISABLE=maybe`` must not leave kvplugin silently active."""
+    try:
+        config_sources.bool_variable("KVPLUGIN_DISABLE")
+    except ValueError as exc:
+        raise SettingsError(f"kvplugin: {exc}") from None
+
+
 def resolve_settings(flags: Mapping[str, Any] | None = None) -> KVPluginSettings:
-    """Build the settings from explicitly given flags (field name -> value) and the env.
+    """Build the settings from explicitly given flags (field name -> value), the env and
+    the configuration file.
 
     ``flags`` must hold only options the user really passed; ``None`` values are dropped
-    so that an argparse default of ``None`` means "not given".
+    so that an argparse default of ``None`` means "not given". Unknown ``KVPLUGIN_*``
+    variables are warned about (once each), never silently ignored.
     """
+    from kvplugin.log import say
+
     given = {k: v for k, v in (flags or {}).items() if v is not None}
     unknown = set(given) - set(KVPluginSettings.model_fields)
     if unknown:
         raise SettingsError(f"unknown kvplugin option(s): {', '.join(sorted(unknown))}")
+    _check_process_variables()
+    for message in config_sources.unknown_variables([i.env for i in option_infos()]):
+        say(message, key=message)
+    file, file_data = _config_file()
+    token = _CONFIG_FILE.set(file)
     try:
         return KVPluginSettings(**given)
     except ValidationError as exc:
-        lines = [_describe(e, given) for e in exc.errors()]
+        lines = [_describe(e, given, file, file_data) for e in exc.errors()]
         raise SettingsError("kvplugin: " + "; ".join(lines)) from None
+    finally:
+        _CONFIG_FILE.reset(token)
+
+
+def config_file_in_force() -> ConfigFile | None:
+    """The configuration file :func:`resolve_settings` reads now (for ``kvplugin info``)."""
+    return _config_file()[0]
 
 
 def setting_sources(flags: Mapping[str, Any] | None = None) -> dict[str, Source]:
-    """Where each option's value comes from, for ``kvplugin info`` and logs."""
+    """Where each option's value comes from, for ``kvplugin info`` and logs.
+
+    ``implied`` marks quantization switched on by a bits/group/threshold setting.
+    """
     given = {k for k, v in (flags or {}).items() if v is not None}
+    _, file_data = _config_file()
     sources: dict[str, Source] = {}
     for info in option_infos():
         if info.field in given:
             sources[info.field] = "flag"
-        elif os.environ.get(info.env):
+        elif os.environ.get(info.env, "").strip():
             sources[info.field] = "env"
+        elif info.field in file_data:
+            sources[info.field] = "file"
         else:
             sources[info.field] = "default"
+    if sources["kv_cache_quantization"] == "default" and any(
+        sources[name] != "default" for name in QUANTIZATION_DETAILS
+    ):
+        sources["kv_cache_quantization"] = "implied"
     return sources
+
+
+def notices(settings: KVPluginSettings, sources: Mapping[str, Source]) -> list[str]:
+    """Lines the host prints once at start-up where a setting changed another's meaning."""
+    out = []
+    if sources.get("kv_cache_quantization") == "implied":
+        detail = next(
+            option_info(n) for n in QUANTIZATION_DETAILS if sources.get(n) != "default"
+        )
+        out.append(
+            f"{detail.flag} ({detail.env}) turns entry quantization on "
+            f"(--kv-cache-quantization); pass --no-kv-cache-quantization to keep it off"
+        )
+    if settings.hot_cache_only and settings.ssd_cache_dir is not None:
+        out.append(
+            f"--hot-cache-only wins: the SSD directory {settings.ssd_cache_dir} "
+            f"(--ssd-cache-dir / KVPLUGIN_SSD_CACHE_DIR) is not used, nothing is written to disk"
+        )
+    return out

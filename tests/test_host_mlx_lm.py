@@ -346,7 +346,7 @@ def test_group_size_problem_names_flag_and_env(adapter, monkeypatch):
     assert "got KVPLUGIN_KV_CACHE_QUANTIZATION_GROUP_SIZE=128" in adapter._group_size_problem(model)
     adapter.settings = _settings(kv_cache_quantization=True, kv_cache_quantization_group_size=64)
     assert adapter._group_size_problem(model) is None
-    adapter.settings = _settings(kv_cache_quantization_group_size=128)  # quantization off
+    adapter.settings = _settings(kv_cache_quantization=False, kv_cache_quantization_group_size=128)
     assert adapter._group_size_problem(model) is None
 
 

@@ -6,6 +6,7 @@ from kvplugin.settings import (
     ALLOWED_BITS,
     SettingsError,
     option_infos,
+    notices,
     resolve_settings,
     setting_sources,
 )
@@ -126,12 +127,15 @@ def test_ssd_dir_not_created_by_validation(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
-def test_hot_only_conflicts_with_ssd_dir(tmp_path, monkeypatch):
+def test_hot_only_wins_over_ssd_dir(tmp_path, monkeypatch):
+    # Was an error in the first wave; --hot-cache-only is now a switch over any tier.
     monkeypatch.setenv("KVPLUGIN_HOT_CACHE_ONLY", "1")
-    with pytest.raises(SettingsError) as exc:
-        resolve_settings({"ssd_cache_dir": str(tmp_path)})
-    msg = str(exc.value)
-    assert "--hot-cache-only" in msg and "KVPLUGIN_SSD_CACHE_DIR" in msg
+    flags = {"ssd_cache_dir": str(tmp_path)}
+    s = resolve_settings(flags)
+    assert s.ssd_cache_dir == tmp_path and s.cold_tier_dir is None
+    lines = notices(s, setting_sources(flags))
+    assert len(lines) == 1 and "--hot-cache-only wins" in lines[0] and str(tmp_path) in lines[0]
+    assert resolve_settings({"ssd_cache_dir": str(tmp_path), "hot_cache_only": False}).cold_tier_dir == tmp_path
 
 
 def test_unknown_flag_rejected():
