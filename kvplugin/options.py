@@ -122,5 +122,13 @@ def settings_from_namespace(
     """
     settings = resolve_settings(given_flags(parser, namespace))
     for field, dest in getattr(parser, _DESTS_ATTR, {}).items():
-        setattr(namespace, dest, getattr(settings, field))
+        setattr(namespace, dest, _host_value(settings, field))
     return settings
+
+
+def _host_value(settings: KVPluginSettings, field: str) -> object:
+    """The value host code must see: under ``--hot-cache-only`` a host's own SSD cache
+    (vllm-mlx reads ``--ssd-cache-dir`` itself) gets no directory either."""
+    if field == "ssd_cache_dir":
+        return settings.cold_tier_dir
+    return getattr(settings, field)

@@ -97,3 +97,14 @@ def test_only_restricts_fields():
     dests = add_options(p, only={"hot_cache_only"})
     assert list(dests) == ["hot_cache_only"]
     assert "--max-kv-size" not in p.format_help()
+
+
+def test_hot_cache_only_hides_the_ssd_dir_from_the_host(tmp_path, monkeypatch):
+    # vllm-mlx reads --ssd-cache-dir itself: under --hot-cache-only it must see none.
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ssd-cache-dir", default=None)
+    add_options(parser)
+    monkeypatch.setenv("KVPLUGIN_SSD_CACHE_DIR", str(tmp_path))
+    ns = parser.parse_args(["--hot-cache-only"])
+    settings = settings_from_namespace(parser, ns)
+    assert settings.ssd_cache_dir == tmp_path and ns.ssd_cache_dir is None
