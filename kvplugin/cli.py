@@ -1,9 +1,9 @@
 """``kvplugin`` command line: ``info``, ``demo`` and ``bench``.
 
 ``kvplugin bench`` forwards its arguments to one benchmark: the engine level by default
-(:func:`kvplugin.bench.engine.main`), ``--server`` for real host processes
-(:func:`kvplugin.bench.server.main`), ``--quality`` for quantized-KV quality
-(:func:`kvplugin.bench.quality.main`). ``kvplugin bench [--server|--quality] --help`` shows
+(:func:`kvplugin.tools.bench.engine.main`), ``--server`` for real host processes
+(:func:`kvplugin.tools.bench.server.main`), ``--quality`` for quantized-KV quality
+(:func:`kvplugin.tools.bench.quality.main`). ``kvplugin bench [--server|--quality] --help`` shows
 that benchmark's options.
 """
 
@@ -52,15 +52,15 @@ def cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from kvplugin import demo
+    from kvplugin.tools import demo
 
     return demo.run(args)
 
 
 BENCH_MODES = {
-    "engine": ("kvplugin.bench.engine", "engine level: synthetic caches, stock vs kvplugin"),
-    "server": ("kvplugin.bench.server", "server level: real host processes, stock vs kvplugin"),
-    "quality": ("kvplugin.bench.quality", "answer quality with quantized KV entries"),
+    "engine": ("kvplugin.tools.bench.engine", "engine level: synthetic caches, stock vs kvplugin"),
+    "server": ("kvplugin.tools.bench.server", "server level: real host processes, stock vs kvplugin"),
+    "quality": ("kvplugin.tools.bench.quality", "answer quality with quantized KV entries"),
 }
 
 
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(info)
     info.set_defaults(func=cmd_info, subparser=info)
 
-    from kvplugin import demo
+    from kvplugin.tools import demo
 
     demo_parser = demo.build_parser()
     dp = sub.add_parser("demo", help="start a host on a tiny local model and show kvplugin at "

@@ -12,8 +12,9 @@ import types
 
 import pytest
 
-from kvplugin import cli, demo, hostproc
+from kvplugin import cli
 from kvplugin.settings import option_infos
+from kvplugin.tools import demo, hostproc
 
 
 def _exit_code(argv, capsys):
@@ -199,7 +200,7 @@ def test_host_specs():
 @pytest.fixture
 def calls(monkeypatch):
     """Replace the three benchmarks' ``main`` and record the argv each gets."""
-    from kvplugin.bench import engine, server
+    from kvplugin.tools.bench import engine, server
 
     seen: list[tuple[str, list[str]]] = []
 
@@ -211,9 +212,9 @@ def calls(monkeypatch):
 
     monkeypatch.setattr(engine, "main", fake("engine"))
     monkeypatch.setattr(server, "main", fake("server"))
-    quality = types.ModuleType("kvplugin.bench.quality")
+    quality = types.ModuleType("kvplugin.tools.bench.quality")
     quality.main = fake("quality")
-    monkeypatch.setitem(sys.modules, "kvplugin.bench.quality", quality)
+    monkeypatch.setitem(sys.modules, "kvplugin.tools.bench.quality", quality)
     return seen
 
 
@@ -237,14 +238,14 @@ def test_bench_forwards_arguments(calls, argv, expected):
 
 
 def test_bench_quality_missing_module(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "kvplugin.bench.quality", None)
+    monkeypatch.setitem(sys.modules, "kvplugin.tools.bench.quality", None)
     rc = cli.main(["bench", "--quality"])
     assert rc == 2
     assert "quality benchmark is not part of this kvplugin build" in capsys.readouterr().err
 
 
 def test_server_bench_quick_and_default_sizes():
-    from kvplugin.bench import server
+    from kvplugin.tools.bench import server
 
     quick = server._resolve(server.build_parser().parse_args(["--quick"]))
     default = server._resolve(server.build_parser().parse_args([]))
@@ -310,7 +311,7 @@ def _fake_result(quick: bool = False) -> dict:
 
 
 def test_server_bench_ratios_goals_and_tables():
-    from kvplugin.bench import server
+    from kvplugin.tools.bench import server
 
     res = _fake_result()
     res["ratios"] = server.ratios(res)

@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 HOST = "127.0.0.1"
-SERVED_MODEL_NAME = "tinyllama"  # == kvplugin.tinymodel.SERVED_MODEL_NAME
+SERVED_MODEL_NAME = "tinyllama"  # == kvplugin.tools.models.tiny.SERVED_MODEL_NAME
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 # Variables that would point a child at the real home's caches.
 _DROP_ENV = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE",

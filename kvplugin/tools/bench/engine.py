@@ -1,6 +1,6 @@
 """Engine-level benchmark: stock mlx-lm KV caches vs kvplugin's, synthetic data, one run.
 
-``kvplugin bench`` (engine part) / ``python -m kvplugin.bench.engine``. No model, no server:
+``kvplugin bench`` (engine part) / ``python -m kvplugin.tools.bench.engine``. No model, no server:
 random fp16 keys/values of a configurable geometry go through the real cache classes, the
 real stock ``LRUPromptCache`` and the real kvplugin ``KVService``/``PromptStore``. Measures
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from kvplugin.bench import plots
-from kvplugin.bench.report import (
+from kvplugin.tools.bench import plots
+from kvplugin.tools.bench.report import (
     Goal,
     MiB,
     Progress,

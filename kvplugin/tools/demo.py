@@ -1,17 +1,17 @@
 """``kvplugin demo``: kvplugin at work in a real host server, offline, in about a minute.
 
-Builds the tiny local model once (:func:`kvplugin.tinymodel.build_tiny_model`, reused from
-:func:`~kvplugin.tinymodel.default_model_dir`), starts an installed host (``mlx_lm.server``
+Builds the tiny local model once (:func:`kvplugin.tools.models.tiny.build_tiny_model`, reused from
+:func:`~kvplugin.tools.models.tiny.default_model_dir`), starts an installed host (``mlx_lm.server``
 by default, ``vllm-mlx serve`` with ``--host vllm-mlx``) on 127.0.0.1 with kvplugin's
 options, holds a short multi-turn conversation behind a long system prompt, stops the
 server and prints what kvplugin did (``GET /kvplugin/stats``): entries stored, bytes at
 fp16 vs as stored, cache hits, and time to first token cold vs warm, measured two ways.
 
-The server runs in its own process group (:class:`kvplugin.hostproc.ServerProcess`) and is
+The server runs in its own process group (:class:`kvplugin.tools.hostproc.ServerProcess`) and is
 stopped on every way out: normal end, error, Ctrl-C (exit 130) and SIGTERM (exit 143).
 
 This module also holds the client side shared with ``kvplugin bench --server``
-(:mod:`kvplugin.bench.server`): host launch specs, streamed/timed chat requests, prompt
+(:mod:`kvplugin.tools.bench.server`): host launch specs, streamed/timed chat requests, prompt
 text of a given token length, and the stderr status line. Stdlib only at import time.
 """
 
@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from kvplugin import hostproc
-from kvplugin.hostproc import HostNotInstalled, ServerProcess, ServerStartError
+from kvplugin.tools import hostproc
+from kvplugin.tools.hostproc import HostNotInstalled, ServerProcess, ServerStartError
 
 __all__ = [
     "HOSTS",
@@ -277,7 +277,7 @@ class TextMaker:
     """
 
     def __init__(self, model_dir: Path | str):
-        from kvplugin._corpus import CORPUS
+        from kvplugin.tools.models.corpus import CORPUS
 
         self._sentences = [s.strip() + "." for s in re.split(r"\.\s+", " ".join(CORPUS.split()))
                            if len(s.strip()) > 2]
@@ -404,7 +404,7 @@ def say(message: str) -> None:
 
 def prepare_model(model_dir: Path | None, *, rebuild: bool = False, progress: bool = True) -> Path:
     """The tiny model's directory: reused when complete, else built (once) with a status line."""
-    from kvplugin.tinymodel import build_tiny_model, default_model_dir, is_complete
+    from kvplugin.tools.models.tiny import build_tiny_model, default_model_dir, is_complete
 
     target = Path(model_dir).expanduser() if model_dir is not None else default_model_dir()
     if not rebuild and is_complete(target, seed=0):

@@ -1,7 +1,7 @@
 """Server-level benchmark: the stock host vs the kvplugin host, real processes, tiny model.
 
-``kvplugin bench --server`` / ``python -m kvplugin.bench.server``. Starts the host twice on
-the tiny local model (:mod:`kvplugin.tinymodel`) with the same command line: once with
+``kvplugin bench --server`` / ``python -m kvplugin.tools.bench.server``. Starts the host twice on
+the tiny local model (:mod:`kvplugin.tools.models.tiny`) with the same command line: once with
 ``KVPLUGIN_DISABLE=1`` (stock) and once with kvplugin's settings given as ``KVPLUGIN_*``
 variables (quantized entries, ``--kv-bits`` bits by default 8), and drives the same
 workload through the OpenAI API of both:
@@ -44,9 +44,9 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from kvplugin import hostproc
-from kvplugin.bench import plots
-from kvplugin.bench.report import (
+from kvplugin.tools import hostproc
+from kvplugin.tools.bench import plots
+from kvplugin.tools.bench.report import (
     Goal,
     Progress,
     environment,
@@ -56,7 +56,7 @@ from kvplugin.bench.report import (
     goals_table,
     save_results,
 )
-from kvplugin.demo import (
+from kvplugin.tools.demo import (
     HOSTS,
     QUESTIONS,
     DemoFailed,
@@ -71,7 +71,7 @@ from kvplugin.demo import (
     stream_chat,
     timed_chat,
 )
-from kvplugin.hostproc import HostNotInstalled, ServerProcess, ServerStartError
+from kvplugin.tools.hostproc import HostNotInstalled, ServerProcess, ServerStartError
 
 __all__ = ["main", "build_parser", "run", "GOALS", "RssSampler"]
 
@@ -897,7 +897,7 @@ def plot_ttft(res: Mapping[str, Any], path: Path) -> Path | None:
 
 
 def make_plots(res: Mapping[str, Any], out: Path) -> dict[str, str]:
-    from kvplugin.bench.plots import MISSING_MESSAGE
+    from kvplugin.tools.bench.plots import MISSING_MESSAGE
 
     made = {}
     for name, fn in (("memory", plot_memory), ("ttft", plot_ttft)):
@@ -914,7 +914,7 @@ def make_plots(res: Mapping[str, Any], out: Path) -> dict[str, str]:
 
 
 def _size(text: str) -> int:
-    from kvplugin.demo import _size as parse
+    from kvplugin.tools.demo import _size as parse
 
     return parse(text)
 
