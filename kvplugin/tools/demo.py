@@ -1,43 +1,53 @@
 """``kvplugin demo``: kvplugin at work in a real host server, offline, in about a minute.
 
-Builds the tiny local model once (:func:`kvplugin.tools.models.tiny.build_tiny_model`, reused from
-:func:`~kvplugin.tools.models.tiny.default_model_dir`), starts an installed host (``mlx_lm.server``
-by default, ``vllm-mlx serve`` with ``--host vllm-mlx``) on 127.0.0.1 with kvplugin's
-options, holds a short multi-turn conversation behind a long system prompt, stops the
-server and prints what kvplugin did (``GET /kvplugin/stats``): entries stored, bytes at
+Builds the tiny local model once (:func:`kvplugin.tools.models.tiny.build_tiny_model`, reused
+from :func:`~kvplugin.tools.models.tiny.default_model_dir`), starts an installed host
+(``mlx_lm.server`` by default, ``vllm-mlx serve`` with ``--host vllm-mlx``) on 127.0.0.1 with
+kvplugin's options, holds a short multi-turn conversation behind a long system prompt, stops
+the server and prints what kvplugin did (``GET /kvplugin/stats``): entries stored, bytes at
 fp16 vs as stored, cache hits, and time to first token cold vs warm, measured two ways.
 
-The server runs in its own process group (:class:`kvplugin.tools.hostproc.ServerProcess`) and is
-stopped on every way out: normal end, error, Ctrl-C (exit 130) and SIGTERM (exit 143).
+The server runs in its own process group (:class:`kvplugin.tools.hostproc.ServerProcess`) and
+is stopped on every way out: normal end, error, Ctrl-C (exit 130) and SIGTERM (exit 143).
 
-This module also holds the client side shared with ``kvplugin bench --server``
-(:mod:`kvplugin.tools.bench.server`): host launch specs, streamed/timed chat requests, prompt
-text of a given token length, and the stderr status line. Stdlib only at import time.
+The pieces shared with ``kvplugin bench --server`` live beside it: launch specs
+(:mod:`~kvplugin.tools.launch`), requests (:mod:`~kvplugin.tools.client`), prompt text
+(:mod:`~kvplugin.tools.prompts`) and stderr/signal handling (:mod:`~kvplugin.tools.console`).
+Stdlib only at import time.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import random
-import re
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
-import threading
-import time
-import urllib.error
-import urllib.request
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kvplugin.tools import hostproc
+from kvplugin.tools.client import STATS_PATH, Reply, get_stats, stream_chat, timed_chat
+from kvplugin.tools.console import (
+    KiB,
+    MiB,
+    Status,
+    cleanup_signals,
+    say,
+    stop_quietly,
+)
+from kvplugin.tools.console import parse_size as _size
 from kvplugin.tools.hostproc import HostNotInstalled, ServerProcess, ServerStartError
+from kvplugin.tools.launch import (
+    HOSTS,
+    DemoFailed,
+    HostSpec,
+    host_spec,
+    prepare_model,
+)
+from kvplugin.tools.prompts import QUESTIONS, TextMaker
 
 __all__ = [
     "HOSTS",
@@ -54,373 +64,6 @@ __all__ = [
     "main",
 ]
 
-HOSTS = ("mlx-lm", "vllm-mlx")
-STATS_PATH = "/kvplugin/stats"
-KiB = 1 << 10
-MiB = 1 << 20
-
-
-class DemoFailed(RuntimeError):
-    """The demo cannot show kvplugin working; the message says why (exit code 1)."""
-
-
-# =============================================================================================
-# hosts
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    """How to launch one host on the tiny model and talk to it."""
-
-    name: str  # "mlx-lm" / "vllm-mlx"
-    distribution: str
-    script: str  # console script next to sys.executable
-    model: str | None  # the request's "model" (None: the server's default model)
-    env: Mapping[str, str] = field(default_factory=dict)
-
-    def version(self) -> str:
-        """Installed version; :class:`HostNotInstalled` with an install hint if missing."""
-        try:
-            return hostproc.host_version(self.distribution)
-        except HostNotInstalled:
-            raise HostNotInstalled(
-                f"{self.name} is not installed in this environment ({sys.executable}). "
-                f"Install it with: {INSTALL_HINT[self.name]}"
-            ) from None
-
-    def check(self) -> str:
-        """Version of an installed host that kvplugin supports; raises otherwise."""
-        version = self.version()
-        from packaging.version import InvalidVersion, Version
-
-        from kvplugin.hosts import get_adapter
-
-        supported = get_adapter(self.name).supported
-        try:
-            ok = Version(version) in supported
-        except InvalidVersion:
-            ok = False
-        if not ok:
-            raise DemoFailed(
-                f"{self.name} {version} is installed, but kvplugin supports {self.name} "
-                f"{supported} only: the server would run stock. Install a supported version, "
-                f"e.g. {INSTALL_HINT[self.name]}"
-            )
-        return version
-
-    def command(self, model_dir: Path | str, port: int, extra: Sequence[str] = ()) -> list[str]:
-        script = Path(sys.executable).parent / self.script
-        if self.name == "vllm-mlx":
-            if not script.is_file():
-                raise HostNotInstalled(
-                    f"the vllm-mlx command is not next to {sys.executable}; install vllm-mlx "
-                    f"into this environment: {INSTALL_HINT['vllm-mlx']}")
-            return hostproc.vllm_mlx_serve_cmd(model_dir, port, *extra)
-        if script.is_file():
-            return hostproc.mlx_lm_server_cmd(model_dir, port, *extra)
-        return hostproc.mlx_lm_module_cmd(model_dir, port, *extra)  # python -m mlx_lm server
-
-    def budget_args(self, nbytes: int) -> list[str]:
-        """Host flags for a prompt-cache byte budget (and no small entry-count limit)."""
-        if self.name == "vllm-mlx":
-            return ["--cache-memory-mb", str(max(1, round(nbytes / 1e6)))]
-        return ["--prompt-cache-bytes", str(int(nbytes)), "--prompt-cache-size", "1000"]
-
-    @property
-    def label(self) -> str:
-        return "mlx_lm.server" if self.name == "mlx-lm" else "vllm-mlx serve"
-
-
-INSTALL_HINT = {
-    "mlx-lm": 'pip install "kvplugin[mlx-lm]"',
-    "vllm-mlx": 'pip install "kvplugin[vllm-mlx]" && pip install --no-deps "vllm-mlx==0.6.0"',
-}
-
-_SPECS = {
-    "mlx-lm": HostSpec("mlx-lm", "mlx-lm", "mlx_lm.server", None),
-    # simple mode answers 503 to a request that arrives while another runs, unless told to wait
-    "vllm-mlx": HostSpec("vllm-mlx", "vllm-mlx", "vllm-mlx", hostproc.SERVED_MODEL_NAME,
-                         {"VLLM_MLX_SIMPLE_ENGINE_LOCK_ADMISSION": "wait"}),
-}
-
-
-def host_spec(name: str) -> HostSpec:
-    return _SPECS[name]
-
-
-# =============================================================================================
-# requests
-
-
-@dataclass
-class Reply:
-    """One chat request as the client saw it (times in seconds from sending the request)."""
-
-    text: str = ""
-    ttft_s: float | None = None  # first streamed token (streaming) / whole request (1 token)
-    total_s: float = 0.0
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    token_times: list[float] = field(default_factory=list)  # arrival of each content chunk
-    streamed: bool = True
-
-    @property
-    def decode_tps(self) -> float | None:
-        """Tokens per second between the first and the last streamed token."""
-        n = self.completion_tokens or len(self.token_times)
-        if not self.token_times or n < 2:
-            return None
-        span = self.token_times[-1] - self.token_times[0]
-        return (n - 1) / span if span > 0 else None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.pop("token_times")
-        out["decode_tps"] = self.decode_tps
-        return out
-
-
-def _body(srv: ServerProcess, messages: Sequence[Mapping[str, Any]], max_tokens: int,
-          stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"messages": list(messages), "max_tokens": max_tokens,
-                            "temperature": 0.0, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    if srv.model is not None:
-        body["model"] = srv.model
-    return body
-
-
-def _usage(reply: Reply, usage: Mapping[str, Any] | None) -> None:
-    if not usage:
-        return
-    reply.prompt_tokens = usage.get("prompt_tokens", reply.prompt_tokens)
-    reply.completion_tokens = usage.get("completion_tokens", reply.completion_tokens)
-    details = usage.get("prompt_tokens_details") or {}
-    if details.get("cached_tokens") is not None:
-        reply.cached_tokens = int(details["cached_tokens"])
-
-
-def stream_chat(srv: ServerProcess, messages: Sequence[Mapping[str, Any]], max_tokens: int = 16,
-                timeout: float | None = None) -> Reply:
-    """POST a streamed chat completion; time the first and every content chunk."""
-    data = json.dumps(_body(srv, messages, max_tokens, True)).encode()
-    req = urllib.request.Request(srv.url + "/v1/chat/completions", data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    reply = Reply()
-    t0 = time.perf_counter()
-    try:
-        resp = urllib.request.urlopen(req, timeout=timeout or srv.request_timeout)
-    except urllib.error.HTTPError as e:
-        raise hostproc.ServerHTTPError("POST", req.full_url, e.code,
-                                       e.read().decode(errors="replace")) from None
-    with resp:
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue  # blank lines and ": keepalive" comments during prefill
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            now = time.perf_counter() - t0
-            chunk = json.loads(payload)
-            for choice in chunk.get("choices") or ():
-                delta = choice.get("delta") or {}
-                content = delta.get("content")
-                if content is None:
-                    content = choice.get("text")
-                if content:
-                    if reply.ttft_s is None:
-                        reply.ttft_s = now
-                    reply.token_times.append(now)
-                    reply.text += content
-            _usage(reply, chunk.get("usage"))
-    reply.total_s = time.perf_counter() - t0
-    return reply
-
-
-def timed_chat(srv: ServerProcess, messages: Sequence[Mapping[str, Any]], max_tokens: int = 1,
-               timeout: float | None = None) -> Reply:
-    """A non-streamed chat completion, timed as a whole (``ttft_s`` = ``total_s``)."""
-    t0 = time.perf_counter()
-    out = srv.chat(list(messages), max_tokens=max_tokens, temperature=0.0, timeout=timeout)
-    reply = Reply(streamed=False)
-    reply.total_s = reply.ttft_s = time.perf_counter() - t0
-    reply.text = hostproc.answer_text(out)
-    _usage(reply, out.get("usage"))
-    return reply
-
-
-def get_stats(srv: ServerProcess) -> dict[str, Any] | None:
-    """``GET /kvplugin/stats`` as a dict, or None when the route does not answer JSON."""
-    try:
-        status, body = srv.request("GET", STATS_PATH, timeout=30)
-    except OSError:
-        return None
-    if status != 200 or not isinstance(body, dict) or body.get("active") is False:
-        return None
-    return body
-
-
-# =============================================================================================
-# prompt text
-
-
-class TextMaker:
-    """Readable text of (about) a given number of the tiny model's tokens.
-
-    Sentences of the local corpus, shuffled by ``seed`` and prefixed with a tag, so that two
-    seeds give prompts that differ from their first words (no accidental shared prefix).
-    Token counts come from the model's own ``tokenizer.json`` (exact to a few tokens; the
-    server's ``usage.prompt_tokens`` is what gets reported).
-    """
-
-    def __init__(self, model_dir: Path | str):
-        from kvplugin.tools.models.corpus import CORPUS
-
-        self._sentences = [s.strip() + "." for s in re.split(r"\.\s+", " ".join(CORPUS.split()))
-                           if len(s.strip()) > 2]
-        self._tok = None
-        try:
-            from tokenizers import Tokenizer
-
-            self._tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-        except Exception:  # no tokenizers: ~3.2 characters per token on this corpus
-            self._tok = None
-
-    def starts(self) -> list[str]:
-        """Words that each begin a text with a different first token (as many as the
-        vocabulary allows): prompts starting with different ones share no prefix at all."""
-        if self._tok is None:
-            words = sorted({w for s in self._sentences for w in re.findall(r"[A-Za-z]{3,}", s)})
-            return words
-        out, seen = [], set()
-        for i in range(self._tok.get_vocab_size()):
-            word = self._tok.decode([i])
-            if len(word.strip()) < 2 or not word.strip().isalpha() or i in seen:
-                continue
-            if self._tok.encode(word + " 1.").ids[0] == i:
-                seen.add(i)
-                out.append(word)
-        return out
-
-    def first_token(self, text: str) -> int | str:
-        if self._tok is None:
-            return text.split(None, 1)[0] if text.strip() else ""
-        ids = self._tok.encode(text).ids
-        return ids[0] if ids else -1
-
-    def count(self, text: str) -> int:
-        if self._tok is None:
-            return max(1, round(len(text) / 3.2))
-        return len(self._tok.encode(text).ids)
-
-    def text(self, n_tokens: int, seed: Any, tag: str | None = None) -> str:
-        rng = random.Random(str(seed))
-        order = list(self._sentences)
-        rng.shuffle(order)
-        head = f"{tag or 'Notes'} {rng.randrange(10**6):06d}."
-        parts, i = [head], 0
-        while self.count(" ".join(parts)) < n_tokens:
-            parts.append(order[i % len(order)])
-            i += 1
-            if i % len(order) == 0:
-                rng.shuffle(order)
-        text = " ".join(parts)
-        if self._tok is not None:
-            ids = self._tok.encode(text).ids
-            if len(ids) > n_tokens:
-                text = self._tok.decode(ids[:n_tokens])
-        return text
-
-
-# =============================================================================================
-# progress on stderr
-
-
-class Status:
-    """``with Status("starting the server"):`` -- a spinner with elapsed seconds on a
-    terminal, or one line when it starts and one when it ends otherwise. stderr only."""
-
-    FRAMES = "|/-\\"
-
-    def __init__(self, message: str, *, enabled: bool = True, stream: Any = None):
-        self.message = message
-        self.enabled = enabled
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._t0 = 0.0
-        self.note = ""
-
-    def _write(self, text: str) -> None:
-        with contextlib.suppress(Exception):
-            self.stream.write(text)
-            self.stream.flush()
-
-    def _spin(self) -> None:
-        i = 0
-        while not self._stop.wait(0.1):
-            elapsed = time.monotonic() - self._t0
-            self._write(f"\r{self.FRAMES[i % 4]} {self.message} ({elapsed:.1f} s){self.note}\033[K")
-            i += 1
-
-    def __enter__(self) -> "Status":
-        self._t0 = time.monotonic()
-        if not self.enabled:
-            return self
-        if self.tty:
-            self._thread = threading.Thread(target=self._spin, daemon=True)
-            self._thread.start()
-        else:
-            self._write(f"kvplugin: {self.message} ...\n")
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        elapsed = time.monotonic() - self._t0
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-        if not self.enabled:
-            return
-        if exc_type is None:
-            verdict = "done"
-        elif issubclass(exc_type, KeyboardInterrupt):
-            verdict = "interrupted"
-        else:
-            verdict = "failed"
-        if self.tty:
-            mark = "+" if exc_type is None else "x"
-            self._write(f"\r{mark} {self.message}: {verdict} ({elapsed:.1f} s){self.note}\033[K\n")
-        else:
-            self._write(f"kvplugin: {self.message}: {verdict} ({elapsed:.1f} s){self.note}\n")
-
-
-def say(message: str) -> None:
-    print(f"kvplugin: {message}", file=sys.stderr, flush=True)
-
-
-def prepare_model(model_dir: Path | None, *, rebuild: bool = False, progress: bool = True) -> Path:
-    """The tiny model's directory: reused when complete, else built (once) with a status line."""
-    from kvplugin.tools.models.tiny import build_tiny_model, default_model_dir, is_complete
-
-    target = Path(model_dir).expanduser() if model_dir is not None else default_model_dir()
-    if not rebuild and is_complete(target, seed=0):
-        if progress:
-            say(f"using the tiny model in {target}")
-        return target.resolve()
-    with Status(f"building the tiny model (once) in {target}", enabled=progress):
-        try:
-            import mlx_lm  # noqa: F401  (the model is built with mlx-lm's llama)
-        except ImportError:
-            raise HostNotInstalled(
-                f"building the tiny model needs mlx-lm; install it with {INSTALL_HINT['mlx-lm']}"
-            ) from None
-        return build_tiny_model(target, force=rebuild)
-
-
 def _announcing_ready_check(announce: Callable[[ServerProcess], None]):
     """``default_ready_check`` that calls ``announce(server)`` on its first poll (the child
     exists then: its pid is known while the host is still starting)."""
@@ -435,56 +78,6 @@ def _announcing_ready_check(announce: Callable[[ServerProcess], None]):
 
     return check
 
-
-@contextlib.contextmanager
-def cleanup_signals() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit(143)`` (so ``finally`` blocks stop the server); restored
-    afterwards. SIGINT keeps Python's KeyboardInterrupt."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        raise SystemExit(128 + signum)
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def stop_quietly(servers: Sequence[ServerProcess | None]) -> None:
-    """Stop servers with SIGINT/SIGTERM ignored meanwhile (a second Ctrl-C must not leave
-    a half-stopped server behind)."""
-    main = threading.current_thread() is threading.main_thread()
-    old = {}
-    if main:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            old[sig] = signal.signal(sig, signal.SIG_IGN)
-    try:
-        for srv in servers:
-            if srv is not None:
-                with contextlib.suppress(Exception):
-                    srv.stop()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-# =============================================================================================
-# the demo
-
-QUESTIONS = [
-    "Tell me about the bridge and the two rivers.",
-    "When does the bakery open, and what does the street smell like?",
-    "Which buses leave from the square in the morning?",
-    "What happens on market days?",
-    "Who repaired the bridge after the flood?",
-    "Why must the boats wait for low water?",
-    "Describe the morning mist over the water.",
-    "How many arches does the old bridge have?",
-]
 
 
 def _ms(x: float | None) -> str:
@@ -752,17 +345,6 @@ def build_parser(prog: str = "kvplugin demo") -> argparse.ArgumentParser:
     p.add_argument("host_args", nargs="*", metavar="-- HOST_ARGS",
                    help="extra arguments for the host server, after `--`")
     return p
-
-
-def _size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?[bB])?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64M, 1G, 500000)")
-    scale = {"": 1, "k": KiB, "m": MiB, "g": 1 << 30}[m.group(2).lower()]
-    value = int(float(m.group(1)) * scale)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("the size must be positive")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

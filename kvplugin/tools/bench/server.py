@@ -56,22 +56,11 @@ from kvplugin.tools.bench.report import (
     goals_table,
     save_results,
 )
-from kvplugin.tools.demo import (
-    HOSTS,
-    QUESTIONS,
-    DemoFailed,
-    HostSpec,
-    Status,
-    TextMaker,
-    cleanup_signals,
-    get_stats,
-    host_spec,
-    prepare_model,
-    stop_quietly,
-    stream_chat,
-    timed_chat,
-)
+from kvplugin.tools.client import get_stats, stream_chat, timed_chat
+from kvplugin.tools.console import Status, cleanup_signals, parse_size, stop_quietly
 from kvplugin.tools.hostproc import HostNotInstalled, ServerProcess, ServerStartError
+from kvplugin.tools.launch import HOSTS, DemoFailed, HostSpec, host_spec, prepare_model
+from kvplugin.tools.prompts import QUESTIONS, TextMaker
 
 __all__ = ["main", "build_parser", "run", "GOALS", "RssSampler"]
 
@@ -913,12 +902,6 @@ def make_plots(res: Mapping[str, Any], out: Path) -> dict[str, str]:
 # command line
 
 
-def _size(text: str) -> int:
-    from kvplugin.tools.demo import _size as parse
-
-    return parse(text)
-
-
 def _sizes(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -958,7 +941,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-tokens", type=int, default=None,
                    help=f"tokens generated per turn in the memory phase "
                         f"(default {DEFAULTS['mem_tokens']})")
-    p.add_argument("--fit-budget", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--fit-budget", type=parse_size, default=None, metavar="SIZE",
                    help="prompt-cache budget of the conversations-held phase (default 8M = "
                         "8 MiB; K/M/G are binary)")
     p.add_argument("--fit-prefix", type=int, default=None,
@@ -973,7 +956,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-prompt", type=int, default=None,
                    help="prompt tokens of each decode request "
                         f"(default {DEFAULTS['decode_prompt']})")
-    p.add_argument("--main-budget", type=_size, default=1 << 30, metavar="SIZE",
+    p.add_argument("--main-budget", type=parse_size, default=1 << 30, metavar="SIZE",
                    help="prompt-cache budget of the TTFT/memory/decode servers (default 1G: "
                         "nothing is evicted there)")
     p.add_argument("--model-dir", type=Path, default=None,
