@@ -127,7 +127,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command != "bench":
             args.subparser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.bench_args = rest
-    return args.func(args, args.subparser)
+    try:
+        code = args.func(args, args.subparser)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        return _closed_pipe()
+    return code
+
+
+def _closed_pipe() -> int:
+    """``kvplugin info | head``: the reader left, which is not an error worth a traceback.
+
+    Python's own advice: point stdout at devnull so the interpreter's final flush cannot
+    fail again, and exit like a process killed by SIGPIPE would be reported by a shell.
+    """
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # SIGPIPE
 
 
 if __name__ == "__main__":

@@ -83,6 +83,30 @@ def test_info_lists_hosts_plugins_and_settings_with_sources(capsys, monkeypatch)
     assert "[default]" in rows["--hot-cache-only"]
 
 
+def test_info_ends_cleanly_on_a_closed_pipe():
+    """``kvplugin info | head``: the reader is gone before info writes; no traceback."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUGIN_")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvplugin.cli", "info"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before the first line (head -0)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()  # the closed pipe was met, and handled
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
+
+
+def test_info_lists_hosts_found_through_entry_points(capsys):
+    from kvplugin.hosts import adapter_paths
+
+    rc = cli.main(["info"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for name in adapter_paths():
+        assert f"  {name} " in out
+
+
 def test_info_bad_value_exits_2_naming_flag_and_env(capsys):
     try:
         rc = cli.main(["info", "--kv-cache-quantization-bits", "9"])
