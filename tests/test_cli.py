@@ -274,7 +274,7 @@ def test_server_bench_quick_and_default_sizes():
     quick = server._resolve(server.build_parser().parse_args(["--quick"]))
     default = server._resolve(server.build_parser().parse_args([]))
     assert quick.sizes == server.QUICK["sizes"] and quick.fit_budget == server.QUICK["fit_budget"]
-    assert default.sizes == [1024, 2048]  # the goal is stated at 2k tokens
+    assert default.sizes == [1024, 2048]  # the TTFT goal is stated at 2k tokens
     assert default.decode_tokens == 128
     custom = server._resolve(server.build_parser().parse_args(
         ["--quick", "--sizes", "300,600", "--fit-budget", "2M", "--", "--max-kv-size", "4096"]))

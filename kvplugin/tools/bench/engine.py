@@ -21,7 +21,7 @@ which works on CPU and Metal; the numbers are bytes above a baseline taken at th
 each measurement. Latencies are wall-clock per decode update of all layers, evaluated
 together (as a model's forward pass is); on a shared CPU they include scheduler noise.
 
-Output: tables with the issue's goals marked met/missed, ``engine.json`` and PNG plots in
+Output: tables with the goals marked met/missed, ``engine.json`` and PNG plots in
 ``--out``.
 """
 
@@ -54,7 +54,7 @@ from kvplugin.tools.bench.report import (
 
 __all__ = ["main", "build_parser", "run", "GOALS"]
 
-#: The issue's engine-level goals (limit values).
+#: The engine-level goals (limit values).
 GOALS = {
     "transient_on_reuse": 1.05,  # peak / entry bytes
     "slack_tokens": 0,

@@ -10,7 +10,7 @@
   modules at start-up;
 * ``python -c pass`` wall time, for scale.
 
-The goal (issue: foundation) is <= 5 ms added to ``python -c pass``.
+The goal is <= 5 ms added to ``python -c pass``.
 """
 
 from __future__ import annotations
