@@ -121,7 +121,7 @@ def _median(xs: Sequence[float | None]) -> float | None:
     return float(statistics.median(xs)) if xs else None
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def safe_ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b
@@ -135,11 +135,11 @@ def _msg(role: str, content: str) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-def _ms(x: float | None) -> str:
+def fmt_ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.0f} ms"
 
 
-def _x(x: float | None, digits: int = 1) -> str:
+def fmt_x(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}x"
 
 
@@ -180,7 +180,7 @@ def phase_ttft(srv: ServerProcess, maker: TextMaker, sizes: Sequence[int], repea
             summary[f"{key}_prompt_tokens"] = _median([x["prompt_tokens"] for x in rows])
             summary[f"{key}_cached_tokens"] = _median([x["cached_tokens"] for x in rows])
         for how in ("stream", "one_token"):
-            summary[f"{how}_speedup"] = _ratio(summary[f"{how}_cold_s"], summary[f"{how}_warm_s"])
+            summary[f"{how}_speedup"] = safe_ratio(summary[f"{how}_cold_s"], summary[f"{how}_warm_s"])
         summary["samples"] = samples
         out[str(n)] = summary
     return out
@@ -397,7 +397,7 @@ def phase_decode(servers: Mapping[str, ServerProcess], maker: TextMaker, *, roun
             "e2e_tps_best": max(e2e) if e2e else None,
             # tokens per second of the server's own CPU time (its threads; the prefill of
             # the short prompt and the storing of the cache included)
-            "tokens_per_cpu_s": _ratio(sum(r["completion_tokens"] or 0 for r in rows),
+            "tokens_per_cpu_s": safe_ratio(sum(r["completion_tokens"] or 0 for r in rows),
                                        sum(cpu) if all(c is not None for c in cpu) else None),
             "completion_tokens": _median([r["completion_tokens"] for r in rows]),
             "samples": rows,

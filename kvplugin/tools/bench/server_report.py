@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from kvplugin.tools.bench import plots
 from kvplugin.tools.bench.report import Goal, fmt_bytes, fmt_ratio, format_table
-from kvplugin.tools.bench.server_phases import MiB, _ms, _ratio, _x
+from kvplugin.tools.bench.server_phases import MiB, fmt_ms, fmt_x, safe_ratio
 
 #: The server-level goals (limit values).
 GOALS = {
@@ -33,25 +33,25 @@ def ratios(res: Mapping[str, Any]) -> dict[str, Any]:
             "stock_speedup_stream": s["stream_speedup"],
             "kvplugin_speedup_one_token": k["one_token_speedup"],
             "stock_speedup_one_token": s["one_token_speedup"],
-            "warm_kvplugin_over_stock_stream": _ratio(k["stream_warm_s"], s["stream_warm_s"]),
-            "cold_kvplugin_over_stock_stream": _ratio(k["stream_cold_s"], s["stream_cold_s"]),
+            "warm_kvplugin_over_stock_stream": safe_ratio(k["stream_warm_s"], s["stream_warm_s"]),
+            "cold_kvplugin_over_stock_stream": safe_ratio(k["stream_cold_s"], s["stream_cold_s"]),
         }
     sm, km = st["memory"], kv["memory"]
     out["memory"] = {
-        "rss_reuse_growth_kvplugin_over_stock": _ratio(km["rss_reuse_growth"],
+        "rss_reuse_growth_kvplugin_over_stock": safe_ratio(km["rss_reuse_growth"],
                                                        sm["rss_reuse_growth"]),
-        "rss_growth_kvplugin_over_stock": _ratio(km["rss_growth"], sm["rss_growth"]),
-        "rss_peak_growth_kvplugin_over_stock": _ratio(km["rss_peak_growth"],
+        "rss_growth_kvplugin_over_stock": safe_ratio(km["rss_growth"], sm["rss_growth"]),
+        "rss_peak_growth_kvplugin_over_stock": safe_ratio(km["rss_peak_growth"],
                                                       sm["rss_peak_growth"]),
-        "rss_end_kvplugin_over_stock": _ratio(km["rss_end"], sm["rss_end"]),
+        "rss_end_kvplugin_over_stock": safe_ratio(km["rss_end"], sm["rss_end"]),
     }
     sf, kf = st["fit"], kv["fit"]
     out["fit"] = {
-        "conversations_held_kvplugin_over_stock": _ratio(kf["conversations_held"],
+        "conversations_held_kvplugin_over_stock": safe_ratio(kf["conversations_held"],
                                                          sf["conversations_held"]),
-        "bytes_per_conversation_kvplugin_over_stock": _ratio(kf["bytes_per_conversation"],
+        "bytes_per_conversation_kvplugin_over_stock": safe_ratio(kf["bytes_per_conversation"],
                                                              sf["bytes_per_conversation"]),
-        "entry_stored_over_fp16": _ratio(kf.get("entry_bytes_mean"),
+        "entry_stored_over_fp16": safe_ratio(kf.get("entry_bytes_mean"),
                                          kf.get("entry_dense_bytes_mean")),
     }
     kd, sd = kv["decode"], st["decode"]
@@ -60,11 +60,11 @@ def ratios(res: Mapping[str, Any]) -> dict[str, Any]:
         "paired_cpu_median": (paired.get("cpu") or {}).get("median"),
         "paired_end_to_end_median": (paired.get("end_to_end") or {}).get("median"),
         "paired_first_last_median": (paired.get("first_last") or {}).get("median"),
-        "tokens_per_cpu_s_kvplugin_over_stock": _ratio(kd.get("tokens_per_cpu_s"),
+        "tokens_per_cpu_s_kvplugin_over_stock": safe_ratio(kd.get("tokens_per_cpu_s"),
                                                        sd.get("tokens_per_cpu_s")),
-        "median_decode_tps_kvplugin_over_stock": _ratio(kd["decode_tps"], sd["decode_tps"]),
-        "best_decode_tps_kvplugin_over_stock": _ratio(kd["decode_tps_best"], sd["decode_tps_best"]),
-        "median_e2e_tps_kvplugin_over_stock": _ratio(kd["e2e_tps"], sd["e2e_tps"]),
+        "median_decode_tps_kvplugin_over_stock": safe_ratio(kd["decode_tps"], sd["decode_tps"]),
+        "best_decode_tps_kvplugin_over_stock": safe_ratio(kd["decode_tps_best"], sd["decode_tps_best"]),
+        "median_e2e_tps_kvplugin_over_stock": safe_ratio(kd["e2e_tps"], sd["e2e_tps"]),
     }
     return out
 
@@ -76,9 +76,9 @@ def goals(res: Mapping[str, Any]) -> list[Goal]:
     k = res["kvplugin"]["ttft"][size]
     st = res["stock"]["ttft"][size]
     note = (f"kvplugin server, {size}-token prefix, streamed first token, median of "
-            f"{cfg['repeats']}: cold {_ms(k['stream_cold_s'])}, warm {_ms(k['stream_warm_s'])} "
-            f"(stock: {_x(st['stream_speedup'])}; 1-token requests: kvplugin "
-            f"{_x(k['one_token_speedup'])}, stock {_x(st['one_token_speedup'])})")
+            f"{cfg['repeats']}: cold {fmt_ms(k['stream_cold_s'])}, warm {fmt_ms(k['stream_warm_s'])} "
+            f"(stock: {fmt_x(st['stream_speedup'])}; 1-token requests: kvplugin "
+            f"{fmt_x(k['one_token_speedup'])}, stock {fmt_x(st['one_token_speedup'])})")
     if size != "2048":
         note += f"; the goal is stated for 2048 tokens, this run used {size}"
     out = [Goal(f"warm TTFT speed-up at {size} tokens", k["stream_speedup"],
@@ -94,8 +94,8 @@ def goals(res: Mapping[str, Any]) -> list[Goal]:
 
     others = (f"per-round end to end {iqr('end_to_end')}, first-to-last token "
               f"{iqr('first_last')}; overall tokens per CPU-second "
-              f"{_x(rd['tokens_per_cpu_s_kvplugin_over_stock'], 3)}, median first-to-last rate "
-              f"{_x(rd['median_decode_tps_kvplugin_over_stock'], 3)}")
+              f"{fmt_x(rd['tokens_per_cpu_s_kvplugin_over_stock'], 3)}, median first-to-last rate "
+              f"{fmt_x(rd['median_decode_tps_kvplugin_over_stock'], 3)}")
     how = (f"{cfg['decode_rounds']} rounds, each one streamed request of {cfg['decode_tokens']} "
            f"tokens to both servers back to back; the value is the median over rounds of")
     if rd["paired_cpu_median"] is not None:
@@ -131,8 +131,8 @@ def tables(res: Mapping[str, Any]) -> str:
         s, k = st["ttft"][size], kv["ttft"][size]
         for how, label in (("stream", "streamed"), ("one_token", "1-token")):
             rows.append([f"{size} tok, {label}",
-                         _ms(s[f"{how}_cold_s"]), _ms(s[f"{how}_warm_s"]), _x(s[f"{how}_speedup"]),
-                         _ms(k[f"{how}_cold_s"]), _ms(k[f"{how}_warm_s"]), _x(k[f"{how}_speedup"]),
+                         fmt_ms(s[f"{how}_cold_s"]), fmt_ms(s[f"{how}_warm_s"]), fmt_x(s[f"{how}_speedup"]),
+                         fmt_ms(k[f"{how}_cold_s"]), fmt_ms(k[f"{how}_warm_s"]), fmt_x(k[f"{how}_speedup"]),
                          "-" if k[f"{how}_warm_cached_tokens"] is None
                          else f"{k[f'{how}_warm_cached_tokens']:.0f}"])
     parts.append(format_table(
