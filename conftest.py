@@ -7,7 +7,10 @@ it fail loudly; modules of the other host are deselected, not skipped silently.
 
 from __future__ import annotations
 
-HOST_PREFIXES = {"mlx-lm": "test_mlx_lm", "vllm-mlx": "test_vllm_mlx"}
+from kvplugin.hostspecs import BUILTIN_HOSTS
+
+# "mlx-lm" -> "test_mlx_lm": from the declared hosts
+HOST_PREFIXES = {decl.name: "test_" + decl.name.replace("-", "_") for decl in BUILTIN_HOSTS}
 
 
 def pytest_addoption(parser):

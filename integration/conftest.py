@@ -1,7 +1,7 @@
 """Fixtures for integration tests: real host servers on 127.0.0.1.
 
 - ``tiny_model`` (session): the tiny random-weight llama built offline into a
-  temp dir by :func:`kvplugin.tinymodel.build_tiny_model`.
+  temp dir by :func:`kvplugin.tools.models.tiny.build_tiny_model`.
 - ``start_server`` (module): a factory ``start_server(cmd, *extra, env=None,
   model=None, **kwargs) -> ServerProcess`` that picks a free port, starts
   ``cmd(tiny_model, port, *extra)`` and stops every server it started when the
@@ -24,13 +24,13 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE) not in sys.path:  # `import harness` under any --import-mode
     sys.path.insert(0, str(_HERE))
 try:
-    import kvplugin.tinymodel  # noqa: F401  (installed, or on PYTHONPATH)
+    import kvplugin.tools.models.tiny  # noqa: F401  (installed, or on PYTHONPATH)
 except ImportError:  # a plain checkout: use the repo's copy
     sys.path.insert(0, str(_HERE.parent))
 
 import harness  # noqa: E402
 
-from kvplugin.tinymodel import build_tiny_model  # noqa: E402
+from kvplugin.tools.models.tiny import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,11 @@
-"""Integration-test face of :mod:`kvplugin.hostproc` plus the pytest glue."""
+"""Integration-test face of :mod:`kvplugin.tools.hostproc` plus the pytest glue."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from kvplugin.hostproc import *  # noqa: F403  (the harness API)
-from kvplugin.hostproc import (
+from kvplugin.tools.hostproc import *  # noqa: F403  (the harness API)
+from kvplugin.tools.hostproc import (
     SERVED_MODEL_NAME,
     ServerProcess,
     free_port,

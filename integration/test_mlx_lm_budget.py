@@ -11,7 +11,7 @@ import harness
 import pytest
 from harness import answer_text
 
-from kvplugin._corpus import CORPUS
+from kvplugin.tools.models.corpus import CORPUS
 
 BUDGET = 100_000  # bytes: ~97 tokens of the tiny model (1 KiB per token)
 WORDS = CORPUS.split()

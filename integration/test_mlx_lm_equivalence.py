@@ -15,7 +15,7 @@ import harness
 import pytest
 from harness import answer_text, cached_tokens
 
-from kvplugin._corpus import CORPUS
+from kvplugin.tools.models.corpus import CORPUS
 
 MAX_TOKENS = 8
 PARAGRAPHS = [p.replace("\n", " ").strip() for p in CORPUS.split("\n\n") if p.strip()]

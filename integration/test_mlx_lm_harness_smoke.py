@@ -5,7 +5,7 @@ from __future__ import annotations
 import harness
 from harness import answer_text, cached_tokens, mlx_lm_server_cmd, server_fixture
 
-from kvplugin._corpus import CORPUS
+from kvplugin.tools.models.corpus import CORPUS
 
 server = server_fixture(mlx_lm_server_cmd, env={"KVPLUGIN_DISABLE": "1"})
 

@@ -7,7 +7,7 @@ import harness
 import pytest
 from harness import answer_text, cached_tokens
 
-from kvplugin._corpus import CORPUS
+from kvplugin.tools.models.corpus import CORPUS
 
 N = 64
 TOKEN_BYTES = 1024

@@ -10,7 +10,7 @@ import harness
 import pytest
 from harness import answer_text, cached_tokens
 
-from kvplugin._corpus import CORPUS
+from kvplugin.tools.models.corpus import CORPUS
 
 TOKEN_BYTES = 1024  # tiny model: 2 layers x (K, V) x 2 KV heads x 64 x fp16
 MIN_TOKENS = 64

@@ -9,7 +9,7 @@ import harness
 import pytest
 from harness import answer_text, cached_tokens
 
-from kvplugin._corpus import CORPUS
+from kvplugin.tools.models.corpus import CORPUS
 
 BUDGET = 80_000  # bytes: room for one of the entries below (1 KiB per token)
 PARAGRAPHS = [p.replace("\n", " ").strip() for p in CORPUS.split("\n\n") if p.strip()]

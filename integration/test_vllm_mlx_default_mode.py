@@ -1,6 +1,6 @@
 """``vllm-mlx serve`` in its default (simple) mode with kvplugin: the flags take effect.
 
-Stock vllm-mlx ignores every KV-cache flag in this mode (HOSTS.md 2.3). With kvplugin the
+Stock vllm-mlx ignores every KV-cache flag in this mode. With kvplugin the
 prompt cache of every pure-LLM request is kvplugin's store. Servers (one each, module-scoped):
 
 * ``stock``   -- ``KVPLUGIN_DISABLE=1``: the reference answers.

@@ -1,9 +1,15 @@
 """Activation at interpreter start, run from ``kvplugin.pth`` (and ``kvplugin.start``).
 
 Stdlib only and nearly free: it puts one finder at the front of ``sys.meta_path`` that
-reacts to exactly the host modules in :data:`TRIGGERS`. When one of them finishes
+reacts to exactly the host modules in :data:`TRIGGERS`, derived from the host declarations
+in :mod:`kvplugin.hostspecs` (itself stdlib only; scanning entry points here would cost
+more than the whole start-up budget). When one of them finishes
 executing, the matching adapter in :mod:`kvplugin.hosts` is imported and installed. Any
 error there is caught and reported once; the host's import never fails because of us.
+
+A host shipped as its own plugin activates its trigger from its own ``.pth`` file with one
+line, ``import kvplugin._bootstrap as b; b.register("its_host.server", "its_plugin.adapter")``
+(see :func:`register`).
 
 ``KVPLUGIN_DISABLE`` (1/true/yes/on) switches patching off: nothing of kvplugin beyond
 this module is imported, and a host import only prints one line saying the host runs
@@ -15,11 +21,10 @@ from __future__ import annotations
 import os
 import sys
 
-# host module -> kvplugin adapter module (with an ``on_import(module)`` function)
-TRIGGERS: dict[str, str] = {
-    "mlx_lm.server": "kvplugin.hosts.mlx_lm",
-    "vllm_mlx.cli": "kvplugin.hosts.vllm_mlx",
-}
+from kvplugin.hostspecs import BUILTIN_HOSTS
+
+# host module -> adapter module (with an ``on_import(module)`` function)
+TRIGGERS: dict[str, str] = {decl.trigger_module: decl.adapter_module for decl in BUILTIN_HOSTS}
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -102,9 +107,26 @@ def run_trigger(adapter: str, module) -> None:
             pass
 
 
+def _active() -> bool:
+    return any(getattr(f, "_kvplugin_trigger_finder", False) for f in sys.meta_path)
+
+
+def register(trigger_module: str, adapter_module: str) -> None:
+    """Make ``import trigger_module`` call ``adapter_module.on_import(module)``.
+
+    For a third-party host plugin, from its own ``.pth`` (which may run before or after
+    kvplugin's: ``.pth`` files run in name order, and the finder reads :data:`TRIGGERS` on
+    every lookup). A host module already imported is handed over at once.
+    """
+    TRIGGERS[trigger_module] = adapter_module
+    module = sys.modules.get(trigger_module)
+    if module is not None and _active():
+        run_trigger(adapter_module, module)
+
+
 def activate() -> None:
     """Install the trigger finder once (a site dir listed twice runs the .pth twice)."""
-    if any(getattr(f, "_kvplugin_trigger_finder", False) for f in sys.meta_path):
+    if _active():
         return
     sys.meta_path.insert(0, _TriggerFinder())
     for name, adapter in TRIGGERS.items():  # a host imported before site ran (rare)

@@ -1,9 +1,9 @@
 """``kvplugin`` command line: ``info``, ``demo`` and ``bench``.
 
 ``kvplugin bench`` forwards its arguments to one benchmark: the engine level by default
-(:func:`kvplugin.bench.engine.main`), ``--server`` for real host processes
-(:func:`kvplugin.bench.server.main`), ``--quality`` for quantized-KV quality
-(:func:`kvplugin.bench.quality.main`). ``kvplugin bench [--server|--quality] --help`` shows
+(:func:`kvplugin.tools.bench.engine.main`), ``--server`` for real host processes
+(:func:`kvplugin.tools.bench.server.main`), ``--quality`` for quantized-KV quality
+(:func:`kvplugin.tools.bench.quality.main`). ``kvplugin bench [--server|--quality] --help`` shows
 that benchmark's options.
 """
 
@@ -52,15 +52,15 @@ def cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from kvplugin import demo
+    from kvplugin.tools import demo
 
     return demo.run(args)
 
 
 BENCH_MODES = {
-    "engine": ("kvplugin.bench.engine", "engine level: synthetic caches, stock vs kvplugin"),
-    "server": ("kvplugin.bench.server", "server level: real host processes, stock vs kvplugin"),
-    "quality": ("kvplugin.bench.quality", "answer quality with quantized KV entries"),
+    "engine": ("kvplugin.tools.bench.engine", "engine level: synthetic caches, stock vs kvplugin"),
+    "server": ("kvplugin.tools.bench.server", "server level: real host processes, stock vs kvplugin"),
+    "quality": ("kvplugin.tools.bench.quality", "answer quality with quantized KV entries"),
 }
 
 
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(info)
     info.set_defaults(func=cmd_info, subparser=info)
 
-    from kvplugin import demo
+    from kvplugin.tools import demo
 
     demo_parser = demo.build_parser()
     dp = sub.add_parser("demo", help="start a host on a tiny local model and show kvplugin at "
@@ -127,7 +127,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command != "bench":
             args.subparser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.bench_args = rest
-    return args.func(args, args.subparser)
+    try:
+        code = args.func(args, args.subparser)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        return _closed_pipe()
+    return code
+
+
+def _closed_pipe() -> int:
+    """``kvplugin info | head``: the reader left, which is not an error worth a traceback.
+
+    Python's own advice: point stdout at devnull so the interpreter's final flush cannot
+    fail again, and exit like a process killed by SIGPIPE would be reported by a shell.
+    """
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # SIGPIPE
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from kvplugin.bench import engine  # noqa: E402
+from kvplugin.tools.bench import engine  # noqa: E402
 
 
 @pytest.fixture(scope="module")

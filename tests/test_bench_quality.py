@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from kvplugin import quality_model as qm  # noqa: E402
-from kvplugin.bench import quality  # noqa: E402
+from kvplugin.tools.models import quality as qm  # noqa: E402
+from kvplugin.tools.bench import quality  # noqa: E402
 
 
 @pytest.fixture(scope="module")

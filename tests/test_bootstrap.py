@@ -176,3 +176,33 @@ def test_python_dash_m_host_module_says_it_runs_stock(tmp_path):
     assert r.returncode == 0, r.stderr
     assert parse(r.stdout)["VALUE"] == "stock-main"
     assert r.stderr.count("kvplugin:") == 1 and "cannot patch" in r.stderr
+
+
+def test_a_plugin_host_registers_its_trigger(tmp_path):
+    """A third host's own .pth line: ``kvplugin._bootstrap.register(trigger, adapter)``."""
+    make_fake_host(tmp_path, "1.4")
+    code = DRIVER.replace('b.TRIGGERS["fakehost.server"] = "fake_adapter"',
+                          'b.register("fakehost.server", "fake_adapter")')
+    r = run_python(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = parse(r.stdout)
+    assert out["VALUE"] == "patched" and out["INSTALLS"] == "1"
+
+
+def test_registering_an_already_imported_host_patches_it(tmp_path):
+    make_fake_host(tmp_path, "1.4")
+    code = ("import fakehost.server, kvplugin._bootstrap as b\n"
+            "assert fakehost.server.VALUE == 'stock'\n"
+            "b.register('fakehost.server', 'fake_adapter')\n"
+            "print('VALUE=' + fakehost.server.VALUE)\n")
+    r = run_python(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert parse(r.stdout)["VALUE"] == "patched"
+
+
+def test_triggers_are_the_declared_hosts():
+    from kvplugin import _bootstrap
+    from kvplugin.hostspecs import BUILTIN_HOSTS
+
+    for decl in BUILTIN_HOSTS:
+        assert _bootstrap.TRIGGERS[decl.trigger_module] == decl.adapter_module

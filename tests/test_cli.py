@@ -12,8 +12,9 @@ import types
 
 import pytest
 
-from kvplugin import cli, demo, hostproc
+from kvplugin import cli
 from kvplugin.settings import option_infos
+from kvplugin.tools import demo, hostproc
 
 
 def _exit_code(argv, capsys):
@@ -80,6 +81,30 @@ def test_info_lists_hosts_plugins_and_settings_with_sources(capsys, monkeypatch)
     assert "4096" in rows["--max-kv-size"] and "[flag]" in rows["--max-kv-size"]
     assert "512" in rows["--kv-cache-step"] and "[env]" in rows["--kv-cache-step"]
     assert "[default]" in rows["--hot-cache-only"]
+
+
+def test_info_ends_cleanly_on_a_closed_pipe():
+    """``kvplugin info | head``: the reader is gone before info writes; no traceback."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUGIN_")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvplugin.cli", "info"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before the first line (head -0)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()  # the closed pipe was met, and handled
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
+
+
+def test_info_lists_hosts_found_through_entry_points(capsys):
+    from kvplugin.hosts import adapter_paths
+
+    rc = cli.main(["info"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for name in adapter_paths():
+        assert f"  {name} " in out
 
 
 def test_info_bad_value_exits_2_naming_flag_and_env(capsys):
@@ -199,7 +224,7 @@ def test_host_specs():
 @pytest.fixture
 def calls(monkeypatch):
     """Replace the three benchmarks' ``main`` and record the argv each gets."""
-    from kvplugin.bench import engine, server
+    from kvplugin.tools.bench import engine, server
 
     seen: list[tuple[str, list[str]]] = []
 
@@ -211,9 +236,9 @@ def calls(monkeypatch):
 
     monkeypatch.setattr(engine, "main", fake("engine"))
     monkeypatch.setattr(server, "main", fake("server"))
-    quality = types.ModuleType("kvplugin.bench.quality")
+    quality = types.ModuleType("kvplugin.tools.bench.quality")
     quality.main = fake("quality")
-    monkeypatch.setitem(sys.modules, "kvplugin.bench.quality", quality)
+    monkeypatch.setitem(sys.modules, "kvplugin.tools.bench.quality", quality)
     return seen
 
 
@@ -237,19 +262,19 @@ def test_bench_forwards_arguments(calls, argv, expected):
 
 
 def test_bench_quality_missing_module(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "kvplugin.bench.quality", None)
+    monkeypatch.setitem(sys.modules, "kvplugin.tools.bench.quality", None)
     rc = cli.main(["bench", "--quality"])
     assert rc == 2
     assert "quality benchmark is not part of this kvplugin build" in capsys.readouterr().err
 
 
 def test_server_bench_quick_and_default_sizes():
-    from kvplugin.bench import server
+    from kvplugin.tools.bench import server
 
     quick = server._resolve(server.build_parser().parse_args(["--quick"]))
     default = server._resolve(server.build_parser().parse_args([]))
     assert quick.sizes == server.QUICK["sizes"] and quick.fit_budget == server.QUICK["fit_budget"]
-    assert default.sizes == [1024, 2048]  # the issue's goal is stated at 2k tokens
+    assert default.sizes == [1024, 2048]  # the TTFT goal is stated at 2k tokens
     assert default.decode_tokens == 128
     custom = server._resolve(server.build_parser().parse_args(
         ["--quick", "--sizes", "300,600", "--fit-budget", "2M", "--", "--max-kv-size", "4096"]))
@@ -310,7 +335,7 @@ def _fake_result(quick: bool = False) -> dict:
 
 
 def test_server_bench_ratios_goals_and_tables():
-    from kvplugin.bench import server
+    from kvplugin.tools.bench import server
 
     res = _fake_result()
     res["ratios"] = server.ratios(res)

@@ -50,10 +50,11 @@ from packaging.specifiers import SpecifierSet
 
 from kvplugin.cache.fingerprint import model_fingerprint
 from kvplugin.hosts.base import HostAdapter, PatchRegistry, wraps_original
+from kvplugin.hostspecs import MLX_LM
 from kvplugin.log import say
 
 STATS_PATH = "/kvplugin/stats"
-HOST_NAME = "mlx-lm"
+HOST_NAME = MLX_LM.name
 _GROUP_FIELD = "kv_cache_quantization_group_size"
 
 
@@ -159,10 +160,9 @@ def _require(ok: bool, what: str) -> None:
 
 
 class MlxLmAdapter(HostAdapter):
-    name = HOST_NAME
-    distribution = "mlx-lm"
-    supported = SpecifierSet(">=0.31.3,<0.33")
-    trigger_module = "mlx_lm.server"
+    name, distribution, trigger_module = (MLX_LM.name, MLX_LM.distribution,
+                                          MLX_LM.trigger_module)
+    supported = SpecifierSet(MLX_LM.supported)
 
     def __init__(self) -> None:
         super().__init__()

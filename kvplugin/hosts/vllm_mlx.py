@@ -73,6 +73,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from kvplugin.hosts.base import HostAdapter, PatchRegistry
+from kvplugin.hostspecs import VLLM_MLX
 from kvplugin.log import say
 
 STATS_PATH = "/kvplugin/stats"
@@ -160,10 +161,9 @@ def _fingerprint(model: Any) -> str:
 
 
 class VllmMlxAdapter(HostAdapter):
-    name = "vllm-mlx"
-    distribution = "vllm-mlx"
-    supported = SpecifierSet(">=0.5.0,<0.7")
-    trigger_module = "vllm_mlx.cli"
+    name, distribution, trigger_module = (VLLM_MLX.name, VLLM_MLX.distribution,
+                                          VLLM_MLX.trigger_module)
+    supported = SpecifierSet(VLLM_MLX.supported)
 
     def __init__(self) -> None:
         super().__init__()

@@ -32,7 +32,7 @@ MiB = 1 << 20
 
 @dataclass
 class Goal:
-    """One target from issue 6 and whether the measured ``value`` meets it.
+    """One benchmark target and whether the measured ``value`` meets it.
 
     ``op`` is ``"<="`` or ``">="``; ``met`` is computed. ``note`` says what was measured and,
     when missed, why.
@@ -116,7 +116,7 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], title: s
     return "\n".join(out)
 
 
-def goals_table(goals: Sequence[Goal], title: str = "Goals (issue 6)") -> str:
+def goals_table(goals: Sequence[Goal], title: str = "Goals") -> str:
     rows = []
     for g in goals:
         rows.append(

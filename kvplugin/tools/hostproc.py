@@ -1,6 +1,7 @@
 """Run real host servers (``mlx_lm.server``, ``vllm-mlx serve``) on 127.0.0.1.
 
-Stdlib only: ``kvplugin demo``, ``kvplugin bench`` and the integration tests
+Stdlib only (plus kvplugin's stdlib-only host declarations, :mod:`kvplugin.hostspecs`,
+which say how each host is launched): ``kvplugin demo``, ``kvplugin bench`` and the integration tests
 (through ``integration/harness.py``) all drive hosts with it.
 
 Every child runs in its own session/process group with a scratch ``HOME``
@@ -37,7 +38,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+from kvplugin.hostspecs import MLX_LM, VLLM_MLX, HostDeclaration
 
 __all__ = [
     "HOST",
@@ -49,6 +52,8 @@ __all__ = [
     "venv_script",
     "host_version",
     "server_env",
+    "host_cmd",
+    "module_cmd",
     "mlx_lm_server_cmd",
     "mlx_lm_module_cmd",
     "vllm_mlx_serve_cmd",
@@ -60,7 +65,7 @@ __all__ = [
 ]
 
 HOST = "127.0.0.1"
-SERVED_MODEL_NAME = "tinyllama"  # == kvplugin.tinymodel.SERVED_MODEL_NAME
+SERVED_MODEL_NAME = "tinyllama"  # == kvplugin.tools.models.tiny.SERVED_MODEL_NAME
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 # Variables that would point a child at the real home's caches.
 _DROP_ENV = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE",
@@ -139,22 +144,39 @@ def server_env(home: Path | str, env: Mapping[str, str | None] | None = None) ->
     return out
 
 
-def _server_args(model_dir: Path | str, port: int, extra: Iterable[str]) -> list[str]:
-    return ["--model", str(model_dir), "--host", HOST, "--port", str(port), *map(str, extra)]
+def host_cmd(decl: HostDeclaration, model_dir: Path | str, port: int, *extra: str,
+             served_model_name: str = SERVED_MODEL_NAME) -> list[str]:
+    """``<venv>/bin/<console script> <declared launch args> *extra`` for a declared host
+    (:mod:`kvplugin.hostspecs`): the one place a launch command line is put together."""
+    fill = {"model": str(model_dir), "host": HOST, "port": str(port),
+            "served_model_name": served_model_name}
+    return [str(venv_script(decl.console_script)), *(a.format(**fill) for a in decl.launch),
+            *map(str, extra)]
 
 
 def mlx_lm_server_cmd(model_dir: Path | str, port: int, *extra: str) -> list[str]:
     """``<venv>/bin/mlx_lm.server --model DIR --host 127.0.0.1 --port P *extra``.
     Send requests without ``model`` (the harness default)."""
-    return [str(venv_script("mlx_lm.server")), *_server_args(model_dir, port, extra)]
+    return host_cmd(MLX_LM, model_dir, port, *extra)
+
+
+def module_cmd(decl: HostDeclaration, model_dir: Path | str, port: int, *extra: str) -> list[str]:
+    """``python -m <declared module launch> <declared launch args> *extra``, for a host
+    whose console script is missing; raises :class:`HostNotInstalled` if the host is."""
+    if decl.module_launch is None:
+        raise ValueError(f"{decl.name} has no `python -m` form")
+    host_version(decl.distribution)
+    fill = {"model": str(model_dir), "host": HOST, "port": str(port),
+            "served_model_name": SERVED_MODEL_NAME}
+    return [sys.executable, "-m", *decl.module_launch,
+            *(a.format(**fill) for a in decl.launch), *map(str, extra)]
 
 
 def mlx_lm_module_cmd(model_dir: Path | str, port: int, *extra: str) -> list[str]:
     """``python -m mlx_lm server --model DIR ...`` (imports ``mlx_lm.server`` as a
     module, like the console script; ``python -m mlx_lm.server`` would run it as
     ``__main__`` and is not offered)."""
-    host_version("mlx-lm")
-    return [sys.executable, "-m", "mlx_lm", "server", *_server_args(model_dir, port, extra)]
+    return module_cmd(MLX_LM, model_dir, port, *extra)
 
 
 def vllm_mlx_serve_cmd(
@@ -162,11 +184,7 @@ def vllm_mlx_serve_cmd(
 ) -> list[str]:
     """``<venv>/bin/vllm-mlx serve DIR --host 127.0.0.1 --port P --offline
     --served-model-name tinyllama *extra``. Send ``model=SERVED_MODEL_NAME``."""
-    return [
-        str(venv_script("vllm-mlx")), "serve", str(model_dir),
-        "--host", HOST, "--port", str(port), "--offline",
-        "--served-model-name", served_model_name, *map(str, extra),
-    ]
+    return host_cmd(VLLM_MLX, model_dir, port, *extra, served_model_name=served_model_name)
 
 
 def answer_text(response: Mapping[str, Any]) -> str:

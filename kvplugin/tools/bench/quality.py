@@ -1,7 +1,7 @@
 """Answer quality with quantized stored KV entries: ``kvplugin bench --quality``.
 
 A stored entry is only worth quantizing if the answers that reuse it stay good. This bench
-takes a small *trained* causal LM (:mod:`kvplugin.quality_model`, trained offline on first
+takes a small *trained* causal LM (:mod:`kvplugin.tools.models.quality`, trained offline on first
 use and cached) and, for held-out documents (template stories from an unseen seed and held-out
 corpus prose),
 
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvplugin.bench import plots
-from kvplugin.bench.report import (
+from kvplugin.tools.bench import plots
+from kvplugin.tools.bench.report import (
     Goal,
     Progress,
     environment,
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"kvplugin bench --quality needs mlx and mlx-lm: {e}", file=sys.stderr)
         return 2
-    from kvplugin import quality_model as qm
+    from kvplugin.tools.models import quality as qm
 
     base = QUICK if args.quick else DEFAULTS
     for k, v in base.items():

@@ -1,7 +1,7 @@
 """A small plain-English corpus shipped with kvplugin.
 
 It is only used to train the byte-level BPE tokenizer of the tiny test model
-(:mod:`kvplugin.tinymodel`), so that the model can be built offline. The text
+(:mod:`kvplugin.tools.models.tiny`), so that the model can be built offline. The text
 was written for this project; it has no meaning beyond giving the tokenizer a
 realistic mix of common English words, punctuation, digits and line breaks.
 

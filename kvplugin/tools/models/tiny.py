@@ -13,7 +13,7 @@ One token of KV cache is 2 layers x 2 (K, V) x 2 heads x 64 x 2 bytes = 1 KiB.
 
 Weights are drawn with NumPy from ``seed`` (one generator per tensor name), so
 they do not depend on mlx's RNG or on mlx-lm's initialisers. The tokenizer is
-a byte-level BPE trained with ``tokenizers`` on :data:`kvplugin._corpus.CORPUS`.
+a byte-level BPE trained with ``tokenizers`` on :data:`kvplugin.tools.models.corpus.CORPUS`.
 Building twice with the same seed gives byte-identical weights and tokenizer
 files (for the same ``tokenizers`` version).
 
@@ -24,7 +24,7 @@ itself: generation runs to ``max_tokens`` (finish reason ``"length"``), and
 its output is printable gibberish made of corpus fragments that differs
 between prompts.
 
-Command line: ``python -m kvplugin.tinymodel [DIR] [--seed N] [--force]``.
+Command line: ``python -m kvplugin.tools.models.tiny [DIR] [--seed N] [--force]``.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def _train_tokenizer():
         trainers,
     )
 
-    from kvplugin._corpus import CORPUS
+    from kvplugin.tools.models.corpus import CORPUS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -417,7 +417,7 @@ def build_tiny_model(directory: Path, *, seed: int = 0, force: bool = False) -> 
 
 def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m kvplugin.tinymodel",
+        prog="python -m kvplugin.tools.models.tiny",
         description="Build the tiny random-weight llama model used by kvplugin's tests.",
     )
     p.add_argument("directory", nargs="?", type=Path, default=None,

@@ -1,60 +1,22 @@
-"""Engine-level benchmark: stock mlx-lm KV caches vs kvplugin's, synthetic data, one run.
+"""The engine benchmark's four workloads: growth, reuse, stored bytes, budget.
 
-``kvplugin bench`` (engine part) / ``python -m kvplugin.bench.engine``. No model, no server:
-random fp16 keys/values of a configurable geometry go through the real cache classes, the
-real stock ``LRUPromptCache`` and the real kvplugin ``KVService``/``PromptStore``. Measures
-
-1. **growth**: memory while filling ``--tokens`` tokens (one prefill chunk, then one-token
-   decode updates) for stock ``KVCache`` (step 256) and ``RotatingKVCache`` vs kvplugin's
-   pre-allocated caches (``apply_growth_step``/``bound_cache``, as ``--kv-cache-step`` and
-   ``--max-kv-size`` build them), and the decode-step latency distribution of each;
-2. **reuse**: memory when a stored entry is reused: stock ``LRUPromptCache.fetch_nearest_cache``
-   (``copy.deepcopy``) vs kvplugin ``KVService.fetch`` (trimmed at insert, moved out on fetch),
-   then the host's next update(s);
-3. **stored bytes** of one entry: stock (with the live cache's spare slots), trimmed fp16, and
-   quantized at every bit width and group size;
-4. **conversations held** in a fixed byte budget: stock ``LRUPromptCache(max_bytes=...)`` vs
-   kvplugin's store with fp16 / 8-bit / 4-bit entries.
-
-Memory is MLX's own allocator accounting (``mx.get_active_memory``/``get_peak_memory``),
-which works on CPU and Metal; the numbers are bytes above a baseline taken at the start of
-each measurement. Latencies are wall-clock per decode update of all layers, evaluated
-together (as a model's forward pass is); on a shared CPU they include scheduler noise.
-
-Output: tables with the issue's goals marked met/missed, ``engine.json`` and PNG plots in
-``--out``.
+Each ``bench_*`` runs stock mlx-lm caches and kvplugin's side by side on synthetic fp16
+data and returns plain numbers; :mod:`kvplugin.tools.bench.engine` runs them in order.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
-from kvplugin.bench import plots
-from kvplugin.bench.report import (
-    Goal,
-    MiB,
-    Progress,
-    environment,
-    fmt_bytes,
-    fmt_ratio,
-    format_table,
-    goals_table,
-    percentile,
-    save_results,
-)
+from kvplugin.tools.bench.report import MiB, Progress, fmt_bytes, percentile
 
-__all__ = ["main", "build_parser", "run", "GOALS"]
-
-#: The issue's engine-level goals (limit values).
+#: The engine-level goals (limit values).
 GOALS = {
     "transient_on_reuse": 1.05,  # peak / entry bytes
     "slack_tokens": 0,
@@ -66,16 +28,10 @@ GOALS = {
 BITS = (8, 6, 5, 4, 3, 2)
 GROUPS = (32, 64, 128)
 
-DEFAULTS = dict(repeats=3, tokens=4096, prefill=512, layers=8, kv_heads=8, head_dim=128, turn=64,
-                decode_after=16, budget_mib=1024, conversations=96)
-QUICK = dict(repeats=2, tokens=512, prefill=128, layers=2, kv_heads=2, head_dim=128, turn=32,
-             decode_after=8, budget_mib=4, conversations=48)
-
-
 # --------------------------------------------------------------------------- helpers
 
 
-def _mx():
+def mlx_core():
     import mlx.core as mx
 
     return mx
@@ -85,19 +41,19 @@ class _Mem:
     """Bytes above a baseline taken at construction (after dropping MLX's buffer cache)."""
 
     def __init__(self) -> None:
-        mx = _mx()
+        mx = mlx_core()
         gc.collect()
         mx.clear_cache()
         self.base = mx.get_active_memory()
 
     def active(self) -> int:
-        return _mx().get_active_memory() - self.base
+        return mlx_core().get_active_memory() - self.base
 
     def reset_peak(self) -> None:
-        _mx().reset_peak_memory()
+        mlx_core().reset_peak_memory()
 
     def peak(self) -> int:
-        mx = _mx()
+        mx = mlx_core()
         return max(mx.get_peak_memory(), mx.get_active_memory()) - self.base
 
 
@@ -118,7 +74,7 @@ class Geometry:
 
 
 def _rand(shape: tuple[int, ...], seed: int):
-    mx = _mx()
+    mx = mlx_core()
     return mx.random.normal(shape, dtype=mx.float16, key=mx.random.key(seed))
 
 
@@ -133,7 +89,7 @@ def _update_all(caches: list, k, v) -> list:
 def _fill(caches: list, n: int, geo: Geometry, seed: int) -> None:
     """Prefill ``n`` tokens into every layer (fresh random data per layer) and evaluate the
     caches' state, as mlx-lm's ``generate_step`` does after each prefill chunk."""
-    mx = _mx()
+    mx = mlx_core()
     for i, c in enumerate(caches):
         k = _rand((1, geo.kv_heads, n, geo.head_dim), seed + 2 * i)
         v = _rand((1, geo.kv_heads, n, geo.head_dim), seed + 2 * i + 1)
@@ -196,11 +152,10 @@ def _latency_stats(lat_ms: list[float], alloc: list[bool]) -> dict[str, Any]:
 _Factory = Callable[[], list]
 
 
-def _growth_configs(tokens: int, layers: int) -> list[tuple[str, str, str, int, _Factory]]:
+def growth_configs(tokens: int, layers: int) -> list[tuple[str, str, str, int, _Factory]]:
     """(name, kind, label, capacity in tokens, factory of a fresh per-request cache list)."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
-
     from kvplugin.cache import prealloc
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     half = max(tokens // 2, 8)
     return [
@@ -228,14 +183,14 @@ def bench_growth(geo: Geometry, tokens: int, prefill: int, repeats: int,
     did included) and per step index as the minimum over the runs (``latency``): random
     scheduler/OS stalls rarely hit the same step twice, while a cache's own work (growth,
     wrap-around) recurs at the same steps every run, so the minimum isolates the cache."""
-    mx = _mx()
+    mx = mlx_core()
     out: dict[str, Any] = {}
     tok_k = _rand((1, geo.kv_heads, 1, geo.head_dim), 7)
     tok_v = _rand((1, geo.kv_heads, 1, geo.head_dim), 8)
     mx.eval(tok_k, tok_v)
     alloc_threshold = max(64 << 10, 8 * geo.bytes_per_token)
     chunk_bytes = prefill * geo.bytes_per_token
-    for name, kind, label, capacity, factory in _growth_configs(tokens, geo.layers):
+    for name, kind, label, capacity, factory in growth_configs(tokens, geo.layers):
         bar.set_description(f"growth: {name}")
         runs_ms: list[list[float]] = []
         for rep in range(repeats):
@@ -344,11 +299,10 @@ def _reuse_one(geo: Geometry, n_entry: int, scenario: str, path: str, turn: int,
     is fed again) or ``next_turn`` (request = stored tokens + ``turn`` new tokens).
     ``path``: ``stock`` (LRUPromptCache + deepcopy), ``kvplugin`` (KVService: trim at insert,
     move on fetch) or ``move_untrimmed`` (PromptStore move of the untrimmed live cache)."""
+    from kvplugin.cache.store import PromptStore
     from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
 
-    from kvplugin.cache.store import PromptStore
-
-    mx = _mx()
+    mx = mlx_core()
     key = list(range(1, n_entry + 1))
     new = list(range(n_entry + 1, n_entry + 1 + turn))
     request = key if scenario == "resend" else key + new
@@ -445,7 +399,7 @@ REUSE_RUNS = [
     ("next_turn", "move_untrimmed"),
 ]
 
-_PATH_LABEL = {
+PATH_LABEL = {
     "stock": "stock deepcopy (LRUPromptCache)",
     "kvplugin": "kvplugin move (trimmed entry)",
     "move_untrimmed": "move, untrimmed entry (diagnostic)",
@@ -469,7 +423,7 @@ def bench_stored_bytes(geo: Geometry, n_entry: int, bar: Progress) -> dict[str, 
     from kvplugin.cache.quantize import attention_roundtrip_error, dequantize_entry, quantize_entry
     from kvplugin.cache.trim import entry_nbytes, trim_entry
 
-    mx = _mx()
+    mx = mlx_core()
     live = _live_cache(geo, n_entry, seed=300)
     stock_bytes = entry_nbytes(live)
     slack_before = sum(c.keys.shape[2] - c.offset for c in live)
@@ -529,7 +483,7 @@ def bench_budget(geo: Geometry, tokens: int, budget_bytes: int, conversations: i
     the counts are those of the full geometry at a fraction of the memory."""
     from mlx_lm.models.cache import KVCache, LRUPromptCache
 
-    mx = _mx()
+    mx = mlx_core()
     scale = geo.layers * geo.kv_heads
     small = Geometry(layers=1, kv_heads=1, head_dim=geo.head_dim)
     budget_small = budget_bytes // scale
@@ -576,288 +530,3 @@ def bench_budget(geo: Geometry, tokens: int, budget_bytes: int, conversations: i
         "simulated_at": "1 layer x 1 KV head, budget / (layers x kv_heads)",
         "stores": results,
     }
-
-
-# --------------------------------------------------------------------------- goals, output
-
-
-def _goals(res: dict[str, Any]) -> list[Goal]:
-    goals: list[Goal] = []
-    reuse = res["reuse"]
-    for scen, what in (("resend", "same prompt again (exact hit, last token re-fed)"),
-                       ("next_turn", "next turn (stored prefix + new tokens)")):
-        kv = reuse[f"{scen}/kvplugin"]
-        st = reuse[f"{scen}/stock"]
-        steps = len(kv["series"]["events"]) - 3
-        note = (f"{what}; peak over fetch, first update and {steps} decode steps: kvplugin "
-                f"{kv['transient_ratio']:.3f}x of its entry vs stock deepcopy "
-                f"{st['transient_ratio']:.3f}x; fetch + first update only: kvplugin "
-                f"{kv['first_update_peak_ratio']:.3f}x vs stock "
-                f"{st['first_update_peak_ratio']:.3f}x; held after: kvplugin "
-                f"{kv['held_after_ratio']:.3f}x vs stock {st['held_after_ratio']:.3f}x")
-        if kv["transient_ratio"] > GOALS["transient_on_reuse"]:
-            grow = next((e for e, p in zip(kv["series"]["events"][1:], kv["series"]["peak_mib"][1:])
-                         if p * MiB > GOALS["transient_on_reuse"] * kv["entry_bytes"]), "?")
-            note += (
-                f". Missed at '{grow}': the entry is stored trimmed to exactly its tokens, so it "
-                "must grow before new tokens fit; the fetch grows it one layer at a time "
-                "(with_headroom), which bounds the peak to what is held afterwards (entry + "
-                "256 slots of room) plus one layer's old buffer, 1/L of the entry: the goal "
-                "needs L >= ~50 layers at this size"
-            )
-            unt = reuse.get(f"{scen}/move_untrimmed")
-            if unt:
-                note += f" (moving the untrimmed entry instead: {unt['transient_ratio']:.3f}x)"
-        goals.append(Goal(f"transient on reuse, {scen.replace('_', ' ')}", kv["transient_ratio"],
-                          GOALS["transient_on_reuse"], unit="x", note=note))
-    sb = res["stored_bytes"]
-    goals.append(Goal("slack tokens stored after trim", sb["slack_tokens_after_trim"],
-                      GOALS["slack_tokens"],
-                      note=f"stock entry held {sb['stock_slack_tokens']} unused slots "
-                           f"(summed over layers)"))
-    by = {(f["bits"], f["group_size"]): f for f in sb["formats"]}
-    for bits, key in ((8, "ratio_8bit"), (4, "ratio_4bit")):
-        f = by[(bits, 64)]
-        goals.append(Goal(f"{bits}-bit stored bytes / fp16 (group 64)", f["ratio_vs_fp16"],
-                          GOALS[key], unit="x",
-                          note=f"theory {f['theory_ratio']:.5f} = {bits}/16 + 2/64"))
-    for name, r in res["growth"].items():
-        if r["kind"] != "kvplugin":
-            continue
-        lat, raw = r["latency"], r["latency_raw"]
-        note = (f"per-step minimum over {r['repeats']} runs: median {lat['median_ms']:.3f} ms, "
-                f"worst {lat['worst_ms']:.2f} ms at step {lat['worst_step']}, "
-                f"{lat['steps_over_3x_median']} of {lat['steps']} steps > 3x median "
-                f"({lat['alloc_steps_over_3x_median']} allocating); single run: worst "
-                f"{raw['worst_ms']:.2f} ms = {raw['worst_over_median']:.1f}x median, "
-                f"{raw['steps_over_3x_median']} steps > 3x median, "
-                f"{raw['alloc_steps_over_3x_median']} of them allocating")
-        if lat["worst_over_median"] > GOALS["worst_over_median"]:
-            if lat["worst_step"] == 0:
-                note += (f" -> the worst is the first decode step after the prefill (a warm-up "
-                         f"that stock caches pay too; allocates nothing); from the second step "
-                         f"on: {lat['worst_after_first_over_median']:.1f}x")
-            elif lat["alloc_steps_over_3x_median"] == 0:
-                note += (" -> the slow steps allocate nothing: machine noise (shared CPU) that "
-                         "recurred in every run, not cache growth")
-            else:
-                note += " -> slow steps that allocate memory: the cache's own work"
-        goals.append(Goal(f"worst/median decode step, {r['label']}", lat["worst_over_median"],
-                          GOALS["worst_over_median"], unit="x", note=note))
-    return goals
-
-
-def _tables(res: dict[str, Any]) -> str:
-    cfg = res["config"]
-    parts = []
-    g = res["growth"]
-    rows = []
-    for r in g.values():
-        lat, raw = r["latency"], r["latency_raw"]
-        rows.append([r["label"], fmt_bytes(r["peak_bytes"]), fmt_bytes(r["ideal_bytes"]),
-                     fmt_ratio(r["peak_over_ideal"], 2), fmt_ratio(r["held_over_ideal"], 2),
-                     f"{raw['total_s']:.2f}", f"{lat['median_ms']:.3f}", f"{lat['p99_ms']:.3f}",
-                     f"{lat['worst_ms']:.2f}", fmt_ratio(lat["worst_over_median"], 1),
-                     fmt_ratio(raw["worst_over_median"], 1), str(lat["alloc_steps"])])
-    parts.append(format_table(
-        ["cache", "peak", "ideal", "peak/ideal", "held/ideal", "decode s", "p50 ms", "p99 ms",
-         "worst ms", "worst/p50", "1 run w/p50", "alloc steps"], rows,
-        f"1. Filling {cfg['tokens']} tokens: {cfg['prefill']}-token prefill + "
-        f"{cfg['tokens'] - cfg['prefill']} one-token decode updates (no attention). Peak "
-        f"includes the {fmt_bytes(cfg['prefill'] * cfg['bytes_per_token'])} prefill chunk; "
-        f"latency = per-step minimum over {cfg['repeats']} runs ('1 run': first run alone)"))
-
-    rows = []
-    for r in res["reuse"].values():
-        rows.append([f"{r['scenario']}: {_PATH_LABEL[r['path']]}", fmt_bytes(r["entry_bytes"]),
-                     fmt_ratio(r["first_update_peak_ratio"]), fmt_bytes(r["peak_bytes"]),
-                     fmt_ratio(r["transient_ratio"]), fmt_ratio(r["held_after_ratio"]),
-                     f"{r['handover_ms']:.2f}", f"{r['first_update_ms']:.2f}"])
-    parts.append(format_table(
-        ["reuse", "entry", "peak/entry to 1st update", "peak", "peak/entry all steps",
-         "held/entry", "fetch ms", "1st update ms"],
-        rows,
-        f"2. Reusing a stored {cfg['entry_tokens']}-token entry: fetch, first update "
-        f"(resend: 1 token; next turn: {cfg['turn']} tokens), then {cfg['decode_after']} decode "
-        f"steps"))
-
-    sb = res["stored_bytes"]
-    rows = [["stock entry (live cache, spare slots)", fmt_bytes(sb["stock_entry_bytes"]), "-",
-             "1.000x", "-", "-", "-", "-"],
-            ["kvplugin trimmed fp16", fmt_bytes(sb["trimmed_fp16_bytes"]), "1.000x",
-             fmt_ratio(sb["trimmed_over_stock"]), f"{sb['trim_ms']:.0f}", "-", "-", "-"]]
-    for f in sb["formats"]:
-        rows.append([f"{f['bits']}-bit group {f['group_size']}", fmt_bytes(f["bytes"]),
-                     fmt_ratio(f["ratio_vs_fp16"], 4), fmt_ratio(f["ratio_vs_stock_entry"]),
-                     f"{f['quantize_ms']:.0f}",
-                     f"{f['dequantize_ms']:.0f}" if "dequantize_ms" in f else "-",
-                     f"{f['key_rel_l2']:.4f}" if "key_rel_l2" in f else "-",
-                     f"{f['attention_rel_l2']:.4f}"])
-    parts.append(format_table(
-        ["stored as", "bytes", "x fp16", "x stock", "make ms", "dequant ms", "key relL2",
-         "attn relL2"], rows,
-        f"3. Stored bytes of one {sb['entry_tokens']}-token entry (slack after trim: "
-        f"{sb['slack_tokens_after_trim']} tokens; stock: {sb['stock_slack_tokens']})"))
-
-    bd = res["budget"]
-    rows = [[r["label"], str(r["entries"]), fmt_ratio(r["vs_stock"], 2), fmt_bytes(r["bytes"])]
-            for r in bd["stores"].values()]
-    parts.append(format_table(
-        ["store", "conversations held", "x stock", "bytes used"], rows,
-        f"4. Conversations held in {fmt_bytes(bd['budget_bytes'])} ({bd['conversations']} "
-        f"conversations of {bd['length_range'][0]}-{bd['length_range'][1]} tokens, "
-        f"mean {bd['mean_length']:.0f}, inserted in order)"))
-    return "\n\n".join(parts)
-
-
-def _plots(res: dict[str, Any], out: Path) -> dict[str, str | None]:
-    if not plots.available():
-        print(plots.MISSING_MESSAGE, file=sys.stderr)
-        return {}
-    cfg = res["config"]
-    growth = {n: {"label": r["label"], "kind": r["kind"], **r["_full_series"]}
-              for n, r in res["growth"].items()}
-    lat = {n: {"label": r["label"], "kind": r["kind"], "latency_ms": r["_latency_ms"]}
-           for n, r in res["growth"].items()}
-    reuse: dict[str, dict[str, Any]] = {}
-    for n, r in res["reuse"].items():
-        title = ("resend: same prompt again" if r["scenario"] == "resend"
-                 else f"next turn: stored prefix + {cfg['turn']} new tokens")
-        reuse.setdefault(title, {})[n] = {"label": _PATH_LABEL[r["path"]], "kind": r["kind"],
-                                          **r["series"]}
-    geo = cfg["geometry"]
-    paths = {
-        "memory_growth": plots.plot_memory_growth(
-            growth, out / "engine_memory_growth.png",
-            f"KV cache memory while filling {cfg['tokens']} tokens\n{geo} - CPU"),
-        "memory_reuse": plots.plot_reuse(
-            reuse, out / "engine_memory_reuse.png",
-            f"Reusing a stored {cfg['entry_tokens']}-token entry: deepcopy vs move - CPU"),
-        "step_latency": plots.plot_step_latency(
-            lat, out / "engine_step_latency.png",
-            f"Decode-step latency (cache update only, {geo}) - CPU"),
-    }
-    return {k: (str(v) if v else None) for k, v in paths.items()}
-
-
-def _strip_private(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _strip_private(v) for k, v in obj.items() if not str(k).startswith("_")}
-    if isinstance(obj, list):
-        return [_strip_private(v) for v in obj]
-    return obj
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every section; returns the full result dict (with private plot data)."""
-    mx = _mx()
-    mx.random.seed(args.seed)
-    geo = Geometry(args.layers, args.kv_heads, args.head_dim)
-    n_entry = args.entry_tokens or max(args.tokens - 96, args.tokens * 3 // 4)
-    res: dict[str, Any] = {
-        "config": {
-            "tokens": args.tokens, "prefill": args.prefill, "layers": args.layers,
-            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "float16",
-            "bytes_per_token": geo.bytes_per_token, "geometry": geo.describe(),
-            "entry_tokens": n_entry, "turn": args.turn, "decode_after": args.decode_after,
-            "budget_bytes": args.budget_mib * MiB, "conversations": args.conversations,
-            "seed": args.seed, "quick": args.quick, "repeats": args.repeats,
-        },
-        "environment": environment(),
-        "goal_limits": GOALS,
-    }
-    n_growth = (len(_growth_configs(args.tokens, args.layers)) * (args.tokens - args.prefill)
-                * args.repeats)
-    n_reuse = len(REUSE_RUNS) * (2 + args.decode_after)
-    total = n_growth + n_reuse + len(BITS) * len(GROUPS) + 4 * args.conversations
-    t0 = time.perf_counter()
-    with Progress(total, "engine bench", enabled=args.progress) as bar:
-        res["growth"] = bench_growth(geo, args.tokens, args.prefill, args.repeats, bar)
-        res["reuse"] = bench_reuse(geo, n_entry, args.turn, args.decode_after, bar)
-        res["stored_bytes"] = bench_stored_bytes(geo, n_entry, bar)
-        res["budget"] = bench_budget(geo, args.tokens, args.budget_mib * MiB, args.conversations,
-                                     args.seed, bar)
-    res["elapsed_s"] = time.perf_counter() - t0
-    res["goals"] = [g.to_dict() for g in _goals(res)]
-    return res
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvplugin bench",
-        description="Engine-level benchmark: stock mlx-lm KV caches vs kvplugin (synthetic).",
-    )
-    p.add_argument("--tokens", type=int, default=None,
-                   help=f"tokens to fill (default {DEFAULTS['tokens']}; quick {QUICK['tokens']})")
-    p.add_argument("--prefill", type=int, default=None, help="first chunk size (default 512)")
-    p.add_argument("--layers", type=int, default=None, help="default 8")
-    p.add_argument("--kv-heads", type=int, default=None, help="default 8")
-    p.add_argument("--head-dim", type=int, default=None,
-                   help="default 128 (group sizes 32/64/128 must divide it)")
-    p.add_argument("--entry-tokens", type=int, default=None,
-                   help="tokens of the stored entry in the reuse/bytes sections "
-                        "(default: tokens - 96, e.g. 4000 of 4096 slots)")
-    p.add_argument("--turn", type=int, default=None,
-                   help="new tokens of the next turn in the reuse section (default 64)")
-    p.add_argument("--decode-after", type=int, default=None,
-                   help="decode steps recorded after the reuse (default 16)")
-    p.add_argument("--budget-mib", type=int, default=None,
-                   help="byte budget of the conversations section (default 1024 MiB)")
-    p.add_argument("--conversations", type=int, default=None, help="default 96")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="runs of each fill; step latency is the per-step minimum over them, "
-                        "which removes random machine stalls but keeps the cache's own "
-                        "spikes (default 3; quick 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("kvplugin-bench"),
-                   help="directory for engine.json and the PNG plots (default ./kvplugin-bench)")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny sizes (a few seconds; used by the tests)")
-    p.add_argument("--no-plots", dest="plots", action="store_false")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    return p
-
-
-def _resolve(args: argparse.Namespace) -> argparse.Namespace:
-    base = QUICK if args.quick else DEFAULTS
-    for k, v in base.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    if args.tokens < 16 or not 1 <= args.prefill < args.tokens:
-        raise SystemExit("kvplugin bench: need --tokens >= 16 and 1 <= --prefill < --tokens")
-    if args.repeats < 1:
-        raise SystemExit("kvplugin bench: need --repeats >= 1")
-    if args.head_dim % 32:
-        raise SystemExit("kvplugin bench: --head-dim must be a multiple of 32 "
-                         "(quantization groups 32/64/128 must divide it)")
-    if args.entry_tokens is not None and not 2 <= args.entry_tokens <= args.tokens:
-        raise SystemExit("kvplugin bench: need 2 <= --entry-tokens <= --tokens")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _resolve(build_parser().parse_args(argv))
-    try:
-        import mlx.core  # noqa: F401
-        import mlx_lm  # noqa: F401
-    except ImportError as e:
-        print(f"kvplugin bench needs mlx and mlx-lm: {e}", file=sys.stderr)
-        return 2
-    res = run(args)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    res["plots"] = _plots(res, out) if args.plots else {}
-    cfg = res["config"]
-    print(f"kvplugin engine bench - {cfg['geometry']}, {cfg['tokens']} tokens, "
-          f"device {res['environment'].get('mlx_device', '?')} "
-          f"({res['environment'].get('cpu_count')} CPUs), {res['elapsed_s']:.0f} s\n")
-    print(_tables(res))
-    print()
-    print(goals_table([Goal(**{k: v for k, v in g.items() if k not in ("verdict", "met")})
-                       for g in res["goals"]]))
-    save_results(out / "engine.json", _strip_private(res))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """What kvplugin's ``.pth`` activation adds to every interpreter start.
 
-``python -m kvplugin.bench.startup [--runs N]`` measures, in fresh interpreters:
+``python -m kvplugin.tools.bench.startup [--runs N]`` measures, in fresh interpreters:
 
 * ``pth_ms``: the cost of executing the installed ``kvplugin.pth`` line cold — in each
   fresh interpreter kvplugin's modules and finder are removed and the line is executed
@@ -10,7 +10,7 @@
   modules at start-up;
 * ``python -c pass`` wall time, for scale.
 
-The goal (issue: foundation) is <= 5 ms added to ``python -c pass``.
+The goal is <= 5 ms added to ``python -c pass``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why trained: quantization error in keys matters through attention, and random weights give
 keys with no structure (no outlier channels, near-uniform attention), so a random model says
 little about real ones. This module trains a small mlx-lm llama with ``mlx.optimizers`` on
-text made locally from the corpus shipped in :mod:`kvplugin._corpus` (nothing is
+text made locally from the corpus shipped in :mod:`kvplugin.tools.models.corpus` (nothing is
 downloaded), on first use, and caches it (``~/.cache/kvplugin/quality-model-v1``).
 
 Tokens: a word-level vocabulary of the shipped corpus (~550 entries, id 0 ``<unk>``), built
@@ -29,7 +29,7 @@ minutes on two CPU cores (seconds on Apple silicon). The weights (~0.4 MB) are n
 this script is, and the same mlx version on the same kind of machine rebuilds the same
 weights; the spec, losses and training time are recorded in ``quality-model.json``.
 
-Command line: ``python -m kvplugin.quality_model [DIR] [--force] [--quick]``.
+Command line: ``python -m kvplugin.tools.models.quality [DIR] [--force] [--quick]``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from kvplugin.tinymodel import build_lock, kvplugin_home
+from kvplugin.tools.models.tiny import build_lock, kvplugin_home
 
 __all__ = [
     "ModelSpec",
@@ -120,7 +120,7 @@ QUICK_SPEC = replace(SPEC, num_heads=1, seq_len=96, batch_size=4, steps=25, warm
 
 
 def _corpus() -> str:
-    from kvplugin._corpus import CORPUS
+    from kvplugin.tools.models.corpus import CORPUS
 
     return CORPUS
 
@@ -458,7 +458,7 @@ def load_quality_model(directory: Path, spec: ModelSpec = SPEC):
 
 
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvplugin.quality_model",
+    p = argparse.ArgumentParser(prog="python -m kvplugin.tools.models.quality",
                                 description="Train the tiny quality-bench model (offline).")
     p.add_argument("directory", nargs="?", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="the seconds-long test model")

@@ -1,0 +1,385 @@
+"""``kvplugin demo``: kvplugin at work in a real host server, offline, in about a minute.
+
+Builds the tiny local model once (:func:`kvplugin.tools.models.tiny.build_tiny_model`, reused
+from :func:`~kvplugin.tools.models.tiny.default_model_dir`), starts an installed host
+(``mlx_lm.server`` by default, ``vllm-mlx serve`` with ``--host vllm-mlx``) on 127.0.0.1 with
+kvplugin's options, holds a short multi-turn conversation behind a long system prompt, stops
+the server and prints what kvplugin did (``GET /kvplugin/stats``): entries stored, bytes at
+fp16 vs as stored, cache hits, and time to first token cold vs warm, measured two ways.
+
+The server runs in its own process group (:class:`kvplugin.tools.hostproc.ServerProcess`) and
+is stopped on every way out: normal end, error, Ctrl-C (exit 130) and SIGTERM (exit 143).
+
+The pieces shared with ``kvplugin bench --server`` live beside it: launch specs
+(:mod:`~kvplugin.tools.launch`), requests (:mod:`~kvplugin.tools.client`), prompt text
+(:mod:`~kvplugin.tools.prompts`) and stderr/signal handling (:mod:`~kvplugin.tools.console`).
+Stdlib only at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from kvplugin.tools import hostproc
+from kvplugin.tools.client import STATS_PATH, Reply, get_stats, stream_chat, timed_chat
+from kvplugin.tools.console import (
+    KiB,
+    MiB,
+    Status,
+    cleanup_signals,
+    say,
+    stop_quietly,
+)
+from kvplugin.tools.console import parse_size as _size
+from kvplugin.tools.hostproc import HostNotInstalled, ServerProcess, ServerStartError
+from kvplugin.tools.launch import (
+    HOSTS,
+    DemoFailed,
+    HostSpec,
+    host_spec,
+    prepare_model,
+)
+from kvplugin.tools.prompts import QUESTIONS, TextMaker
+
+__all__ = [
+    "HOSTS",
+    "HostSpec",
+    "host_spec",
+    "Reply",
+    "stream_chat",
+    "timed_chat",
+    "TextMaker",
+    "Status",
+    "prepare_model",
+    "DemoFailed",
+    "build_parser",
+    "main",
+]
+
+def _announcing_ready_check(announce: Callable[[ServerProcess], None]):
+    """``default_ready_check`` that calls ``announce(server)`` on its first poll (the child
+    exists then: its pid is known while the host is still starting)."""
+    said = False
+
+    def check(server: ServerProcess) -> tuple[bool, str]:
+        nonlocal said
+        if not said:
+            said = True
+            announce(server)
+        return hostproc.default_ready_check(server)
+
+    return check
+
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f} ms"
+
+
+def _speedup(cold: float | None, warm: float | None) -> float | None:
+    if not cold or not warm:
+        return None
+    return cold / warm
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    if abs(n) >= MiB:
+        return f"{n / MiB:.2f} MiB"
+    if abs(n) >= KiB:
+        return f"{n / KiB:.1f} KiB"
+    return f"{n:.0f} B"
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def kvplugin_flags(bits: int, min_tokens: int) -> list[str]:
+    return ["--kv-cache-quantization", "--kv-cache-quantization-bits", str(bits),
+            "--kv-cache-min-quantize-tokens", str(min_tokens)]
+
+
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything but the printing of the summary; returns the numbers (the ``--json`` data)."""
+    spec = host_spec(args.host)
+    version = spec.check()
+    if os.environ.get("KVPLUGIN_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise DemoFailed("KVPLUGIN_DISABLE is set in this environment: the host would run "
+                         "stock and there is nothing to show. Unset it and run again.")
+    progress = args.progress
+    model_dir = prepare_model(args.model_dir, rebuild=args.rebuild_model, progress=progress)
+    maker = TextMaker(model_dir)
+
+    port = args.port or hostproc.free_port()
+    host_args = [*kvplugin_flags(args.bits, args.min_quantize_tokens),
+                 *spec.budget_args(args.prompt_cache_bytes), *args.host_args]
+    cmd = spec.command(model_dir, port, host_args)
+    shown = " ".join([spec.label, *host_args])
+
+    def announce(server: ServerProcess) -> None:
+        if progress:
+            say(f"{spec.label} pid {server.pid} (process group {server.pid}) on {server.url}")
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvplugin-demo-"))  # the server's HOME and log
+    srv = ServerProcess(cmd, port=port, env=dict(spec.env), model=spec.model, workdir=workdir,
+                        startup_timeout=args.startup_timeout,
+                        ready_check=_announcing_ready_check(announce), name=spec.label)
+    result: dict[str, Any] = {
+        "host": spec.name, "host_version": version, "command": shown, "model_dir": str(model_dir),
+        "port": port, "turns": [], "bits": args.bits,
+    }
+    keep_log = True  # only when something went wrong
+    try:
+        try:
+            with Status(f"starting {spec.label} {version} on {srv.url}", enabled=progress):
+                srv.start()
+        except ServerStartError as err:
+            raise DemoFailed(f"{spec.label} did not start:\n{err}") from None
+        result["startup_s"] = srv.startup_seconds
+
+        stats0 = get_stats(srv)
+        if stats0 is None:
+            raise DemoFailed(_inactive_message(srv, spec))
+
+        with Status(f"holding a {args.turns}-turn conversation", enabled=progress) as st:
+            # A short unrelated request first: the server's first request pays one-time
+            # set-up costs that are not prefill; "cold" below is a prefix not in the cache.
+            timed_chat(srv, [{"role": "user", "content": "Hello."}], max_tokens=1)
+            system = ("You are the guide of a small river town. Answer visitors' questions "
+                      "from these notes. " + maker.text(args.system_tokens, "demo-system", "Notes"))
+            history: list[dict[str, str]] = [{"role": "system", "content": system}]
+            for t in range(args.turns):
+                st.note = f", turn {t + 1}/{args.turns}"
+                history.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+                r = stream_chat(srv, history, max_tokens=args.max_tokens)
+                history.append({"role": "assistant", "content": r.text})
+                result["turns"].append({"turn": t + 1, **r.to_dict()})
+            # The same measurement with whole 1-token requests: a new system prompt of the
+            # same size (cold), then the same conversation's next turn (warm).
+            st.note = ", 1-token timing"
+            other = ("You are the guide of a small river town. Answer visitors' questions "
+                     "from these notes. " + maker.text(args.system_tokens, "demo-other", "Notes"))
+            conv = [{"role": "system", "content": other},
+                    {"role": "user", "content": QUESTIONS[0]}]
+            cold1 = timed_chat(srv, conv, max_tokens=1)
+            conv += [{"role": "assistant", "content": cold1.text},
+                     {"role": "user", "content": QUESTIONS[1]}]
+            warm1 = timed_chat(srv, conv, max_tokens=1)
+            result["one_token"] = {"cold": cold1.to_dict(), "warm": warm1.to_dict()}
+            st.note = ""
+        stats = get_stats(srv)
+        if stats is None:
+            raise DemoFailed("GET /kvplugin/stats stopped answering during the conversation; "
+                             f"server log tail:\n{srv.log_tail(30)}")
+        result["stats"] = stats
+        keep_log = False
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C / SIGTERM: the user stopped it
+        keep_log = False
+        raise
+    finally:
+        with Status(f"stopping {spec.label}", enabled=progress and srv.proc is not None):
+            stop_quietly([srv])
+        if not keep_log:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif srv.proc is not None and srv.log_path.exists():
+            say(f"the server's log is kept in {srv.log_path}")
+    result["summary"] = _summary(result)
+    return result
+
+
+def _inactive_message(srv: ServerProcess, spec: HostSpec) -> str:
+    log = srv.log_text()
+    lines = [ln for ln in log.splitlines() if "kvplugin" in ln]
+    why = "\n  ".join(lines[-5:]) if lines else "(no kvplugin line in the server log)"
+    return (
+        f"kvplugin is not active in {spec.label}: GET {STATS_PATH} does not answer, so there "
+        f"is nothing to show. Possible causes: KVPLUGIN_DISABLE is set, the host version is "
+        f"outside kvplugin's range, or the adapter failed to patch the host. The server "
+        f"said:\n  {why}\nFull log: {srv.log_path}"
+    )
+
+
+def _summary(result: Mapping[str, Any]) -> dict[str, Any]:
+    stats = result["stats"]
+    turns = result["turns"]
+    entries = stats.get("entries")
+    held_dense = sum(e.get("dense_nbytes", 0) for e in entries) if entries else None
+    held_tokens = sum(e.get("tokens", 0) for e in entries) if entries else None
+    cold_stream = turns[0]["ttft_s"] if turns else None
+    warm_stream = _median([t["ttft_s"] for t in turns[1:]])
+    one = result["one_token"]
+    return {
+        "entries_stored": stats.get("entries_stored", 0),
+        "entries_quantized": stats.get("entries_quantized", 0),
+        "hits": stats.get("store_hits", 0),
+        "misses": stats.get("store_misses", 0),
+        "tokens_reused": stats.get("store_tokens_reused", 0),
+        "entries_held": stats.get("store_entries"),
+        "held_tokens": held_tokens,
+        "held_bytes_fp16": held_dense,
+        "held_bytes_stored": stats.get("store_bytes"),
+        "host_bytes": stats.get("bytes_before"),
+        "stored_bytes": stats.get("bytes_stored"),
+        "system_prompt_tokens": (turns[0]["prompt_tokens"] if turns else None),
+        "ttft_stream_cold_s": cold_stream,
+        "ttft_stream_warm_s": warm_stream,
+        "ttft_stream_speedup": _speedup(cold_stream, warm_stream),
+        "ttft_1tok_cold_s": one["cold"]["ttft_s"],
+        "ttft_1tok_warm_s": one["warm"]["ttft_s"],
+        "ttft_1tok_speedup": _speedup(one["cold"]["ttft_s"], one["warm"]["ttft_s"]),
+    }
+
+
+def format_report(result: Mapping[str, Any]) -> str:
+    s = result["summary"]
+    stats = result["stats"]
+    q = stats.get("quantization")
+    out = [
+        f"kvplugin demo: {result['host']} {result['host_version']}, tiny local model "
+        f"(random weights: the answers are gibberish; the cache is real)",
+        f"  server: {result['command']}",
+        "",
+        f"conversation ({s['system_prompt_tokens']} prompt tokens in turn 1, "
+        f"{len(result['turns'])} turns, streamed):",
+    ]
+    for t in result["turns"]:
+        text = " ".join((t["text"] or "").split())
+        text = text[:38] + ("..." if len(text) > 38 else "")
+        out.append(f"  turn {t['turn']}: prompt {t['prompt_tokens'] or '?':>5} tokens, "
+                   f"cached {t['cached_tokens'] if t['cached_tokens'] is not None else '?':>5}, "
+                   f"first token after {_ms(t['ttft_s']):>7}   {text!r}")
+    quant = (f"{q['bits']}-bit, group {q['group_size']}, entries from {q['min_tokens']} tokens"
+             if q else "off")
+    ratio_held = (s["held_bytes_stored"] / s["held_bytes_fp16"]
+                  if s["held_bytes_fp16"] and s["held_bytes_stored"] is not None else None)
+    ratio_all = (s["stored_bytes"] / s["host_bytes"] if s["host_bytes"] else None)
+    out += [
+        "",
+        f"what kvplugin did (GET {STATS_PATH}):",
+        f"  entries stored       {s['entries_stored']}  ({s['entries_quantized']} quantized; "
+        f"quantization {quant})",
+        f"  cache hits           {s['hits']}  (misses {s['misses']}; "
+        f"{s['tokens_reused']} prompt tokens reused)",
+    ]
+    if s["held_bytes_fp16"] is not None:
+        out.append(
+            f"  held now             {s['entries_held']} entries, {s['held_tokens']} tokens: "
+            f"{_fmt_bytes(s['held_bytes_fp16'])} at fp16 -> {_fmt_bytes(s['held_bytes_stored'])} "
+            f"as stored" + (f" ({ratio_held:.3f}x)" if ratio_held is not None else ""))
+    else:
+        out.append(f"  held now             {s['entries_held']} entries, "
+                   f"{_fmt_bytes(s['held_bytes_stored'])} as stored")
+    out.append(
+        f"  all entries stored   {_fmt_bytes(s['host_bytes'])} handed over by the host (fp16 "
+        f"live caches) -> {_fmt_bytes(s['stored_bytes'])} stored (trimmed"
+        f"{', quantized' if q else ''}; "
+        + (f"{ratio_all:.3f}x)" if ratio_all is not None else "-)"))
+
+    def row(name: str, cold, warm, sp, how: str) -> str:
+        spd = f"{sp:5.1f}x faster" if sp else "     -"
+        return f"  {name:<16} cold {_ms(cold):>8}   warm {_ms(warm):>8}   {spd}   ({how})"
+
+    out += [
+        "",
+        "time to first token (cold: the prompt's prefix is not cached; warm: the conversation "
+        "so far is):",
+        row("streaming", s["ttft_stream_cold_s"], s["ttft_stream_warm_s"], s["ttft_stream_speedup"],
+            "first streamed token; turn 1 vs median of later turns"),
+        row("1-token request", s["ttft_1tok_cold_s"], s["ttft_1tok_warm_s"], s["ttft_1tok_speedup"],
+            "whole request, max_tokens=1; new system prompt vs its next turn"),
+        "",
+        "the server was stopped.",
+    ]
+    return "\n".join(out)
+
+
+def build_parser(prog: str = "kvplugin demo") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Start an installed host on a tiny local model with kvplugin's options, "
+                    "hold a short conversation, stop the server and show what kvplugin did "
+                    "(entries, bytes, hits, time to first token). Offline; the model is built "
+                    "once and reused.",
+        epilog="Extra host arguments go after `--`, e.g. "
+               "`kvplugin demo -- --kv-cache-quantization-bits 4 --max-kv-size 4096` "
+               "(later flags win over the demo's defaults).",
+    )
+    p.add_argument("--host", choices=HOSTS, default="mlx-lm",
+                   help="which installed host to start (default: mlx-lm)")
+    p.add_argument("--bits", type=int, choices=range(2, 9), default=8, metavar="{2..8}",
+                   help="--kv-cache-quantization-bits for the stored entries (default 8)")
+    p.add_argument("--min-quantize-tokens", type=int, default=64, metavar="N",
+                   help="--kv-cache-min-quantize-tokens (default 64)")
+    p.add_argument("--prompt-cache-bytes", type=_size, default=64 * MiB, metavar="SIZE",
+                   help="prompt-cache budget passed to the host (mlx-lm --prompt-cache-bytes, "
+                        "vllm-mlx --cache-memory-mb); accepts K/M/G suffixes (default 64M)")
+    p.add_argument("--turns", type=int, default=4, choices=range(2, 9), metavar="{2..8}",
+                   help="user turns in the conversation (default 4)")
+    p.add_argument("--system-tokens", type=int, default=1024, metavar="N",
+                   help="length of the system prompt in tokens (default 1024)")
+    p.add_argument("--max-tokens", type=int, default=24, metavar="N",
+                   help="tokens generated per turn (default 24)")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="where the tiny model is (built there if missing; default "
+                        "$KVPLUGIN_HOME/tiny-model-v1 or ~/.cache/kvplugin/tiny-model-v1)")
+    p.add_argument("--rebuild-model", action="store_true", help="rebuild the tiny model")
+    p.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--startup-timeout", type=float, default=180.0, metavar="S",
+                   help="seconds to wait for the server (default 180)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="also write the numbers to FILE as JSON")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no status lines on stderr")
+    p.add_argument("host_args", nargs="*", metavar="-- HOST_ARGS",
+                   help="extra arguments for the host server, after `--`")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo for parsed ``args``; returns the exit code."""
+    if args.system_tokens < 64 or args.max_tokens < 1:
+        print("kvplugin demo: need --system-tokens >= 64 and --max-tokens >= 1", file=sys.stderr)
+        return 2
+    with cleanup_signals():
+        try:
+            result = run_demo(args)
+        except KeyboardInterrupt:
+            print("\nkvplugin demo: interrupted; the server was stopped.", file=sys.stderr)
+            return 130
+        except (DemoFailed, HostNotInstalled) as err:
+            print(f"kvplugin demo: {err}", file=sys.stderr)
+            return 1
+    print(format_report(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    s = result["summary"]
+    if not s["entries_stored"]:
+        print("kvplugin demo: kvplugin stored no entry: it is not working in this server.",
+              file=sys.stderr)
+        return 1
+    if not s["hits"]:
+        print("kvplugin demo: no request reused a stored entry: the prompt cache is not "
+              "working in this server.", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
