@@ -1,0 +1,1 @@
+"""Side-by-side measurements: stock host vs kvplugin (``kvplugin bench``)."""
