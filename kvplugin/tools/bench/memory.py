@@ -1,0 +1,320 @@
+"""``kvplugin bench --server --memory``: a real server's memory across cache reuse.
+
+The promise kvplugin makes is about the *whole process*: a server reusing a long
+conversation must not reach a higher high-water mark than stock. So this bench runs the
+same conversation on a stock server and on kvplugin servers (fp16, 8-bit, 4-bit entries),
+each under :mod:`kvplugin.tools.memtrace`, and reports for each:
+
+- ``VmHWM`` growth from just before the first turn to the end, as x the entry
+  (the entry = the KV bytes of the first turn's prompt, computed from the model's config);
+- the same from just before the first *reuse* turn (what reuse itself costs);
+- the largest MLX transient of a reuse turn (peak during the turn minus the active memory
+  before it), x the entry;
+- MLX active memory after the last turn (what stays held);
+- warm time-to-first-token and decode tokens/s of the reuse turns (streamed requests).
+
+Every figure is labelled with the server that produced it; the stock row is always printed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server of the comparison: a label, kvplugin's flags, and whether kvplugin runs."""
+
+    label: str
+    args: tuple[str, ...] = ()
+    stock: bool = False
+
+
+CONFIGS: dict[str, ServerConfig] = {
+    "stock": ServerConfig("stock", stock=True),
+    "fp16": ServerConfig("kvplugin fp16"),
+    "8bit": ServerConfig(
+        "kvplugin 8-bit", ("--kv-cache-quantization", "--kv-cache-quantization-bits", "8")
+    ),
+    "4bit": ServerConfig(
+        "kvplugin 4-bit", ("--kv-cache-quantization", "--kv-cache-quantization-bits", "4")
+    ),
+}
+
+
+@dataclass
+class TurnResult:
+    start: float
+    end: float
+    prompt_tokens: int
+    cached_tokens: int | None
+    ttft_s: float
+    decode_tok_s: float | None
+    text: str
+
+
+@dataclass
+class RunResult:
+    config: str
+    label: str
+    entry_bytes: int
+    turns: list[TurnResult] = field(default_factory=list)
+    trace: list[dict[str, Any]] = field(default_factory=list)
+
+    def _at(self, t: float) -> dict[str, Any]:
+        before = [x for x in self.trace if x["t"] <= t]
+        return before[-1] if before else self.trace[0]
+
+    def summary(self) -> dict[str, Any]:
+        entry = self.entry_bytes
+        end = self.trace[-1]
+        first, reuse = self._at(self.turns[0].start), self._at(self.turns[1].start)
+        transients = []
+        for turn in self.turns[1:]:
+            inside = [x for x in self.trace if turn.start <= x["t"] <= turn.end + 0.2]
+            if inside:
+                peak = max(x["peak"] for x in inside)
+                transients.append((peak - self._at(turn.start)["active"]) / entry)
+        warm = self.turns[1:]
+        rates = [t.decode_tok_s for t in warm if t.decode_tok_s]
+        return {
+            "server": self.label,
+            "entry_mib": entry / MiB,
+            "hwm_growth_x": (end["hwm"] - first["hwm"]) / entry,
+            "hwm_growth_reuse_x": (end["hwm"] - reuse["hwm"]) / entry,
+            "max_reuse_transient_x": max(transients) if transients else None,
+            "held_after_mib": end["active"] / MiB,
+            "warm_ttft_ms": 1000 * sorted(t.ttft_s for t in warm)[len(warm) // 2],
+            "cold_ttft_ms": 1000 * self.turns[0].ttft_s,
+            "decode_tok_s": sorted(rates)[len(rates) // 2] if rates else None,
+            "tokens_reused": sum(t.cached_tokens or 0 for t in self.turns),
+        }
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """K+V bytes one token adds to a plain attention cache, from ``config.json``."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype = str(cfg.get("torch_dtype", "float16"))
+    itemsize = 4 if "32" in dtype else 2
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
+def stream_chat(url: str, messages: list[dict], max_tokens: int, model: str | None) -> TurnResult:
+    """One streamed, greedy chat request: time to the first content chunk, decode rate."""
+    body: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model is not None:
+        body["model"] = model
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    start = time.time()
+    first = None
+    chunks: list[str] = []
+    usage: dict[str, Any] = {}
+    with urllib.request.urlopen(request, timeout=1800) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[5:])
+            usage = data.get("usage") or usage
+            for choice in data.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    first = first or time.time()
+                    chunks.append(piece)
+    end = time.time()
+    first = first or end
+    n = len(chunks)
+    details = usage.get("prompt_tokens_details") or {}
+    return TurnResult(
+        start=start,
+        end=end,
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=details.get("cached_tokens"),
+        ttft_s=first - start,
+        decode_tok_s=(n - 1) / (end - first) if n > 1 and end > first else None,
+        text="".join(chunks),
+    )
+
+
+def run_one(
+    model_dir: Path,
+    config: ServerConfig,
+    key: str,
+    system_prompt: str,
+    *,
+    turns: int,
+    max_tokens: int,
+    prefill_step: int,
+    workdir: Path,
+    env: dict[str, str] | None = None,
+) -> RunResult:
+    """Start one traced server, hold the conversation, stop it, read its trace."""
+    from kvplugin.hostproc import ServerProcess, free_port
+
+    port = free_port()
+    trace_path = workdir / f"trace-{key}.jsonl"
+    trace_path.unlink(missing_ok=True)
+    cmd = [
+        sys.executable, "-m", "kvplugin.tools.memtrace", "--out", str(trace_path), "--",
+        "mlx_lm.server", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--prefill-step-size", str(prefill_step), *config.args,
+    ]
+    server_env = dict(env or {})
+    server_env["KVPLUGIN_DISABLE"] = "1" if config.stock else None  # type: ignore[assignment]
+    result = RunResult(key, config.label, 0)
+    with ServerProcess(cmd, port=port, env=server_env, workdir=workdir / key,
+                       startup_timeout=300, name=key) as server:
+        messages = [{"role": "system", "content": system_prompt}]
+        for i in range(turns):
+            messages.append({"role": "user", "content": f"Question {i + 1}: what does the text say?"})
+            turn = stream_chat(server.url, messages, max_tokens, server.model)
+            result.turns.append(turn)
+            messages.append({"role": "assistant", "content": turn.text})
+        time.sleep(0.3)  # let the recorder take a last sample after the final insert
+    result.entry_bytes = kv_bytes_per_token(model_dir) * result.turns[0].prompt_tokens
+    result.trace = [json.loads(line) for line in trace_path.read_text().splitlines() if line]
+    return result
+
+
+def table(results: Sequence[RunResult], title: str) -> str:
+    from kvplugin.bench.report import format_table
+
+    rows = []
+    for r in results:
+        s = r.summary()
+        rows.append([
+            s["server"], f"{s['hwm_growth_x']:.2f}x", f"{s['hwm_growth_reuse_x']:.2f}x",
+            "-" if s["max_reuse_transient_x"] is None else f"{s['max_reuse_transient_x']:.2f}x",
+            f"{s['held_after_mib']:.0f} MiB", f"{s['warm_ttft_ms']:.0f} ms",
+            "-" if s["decode_tok_s"] is None else f"{s['decode_tok_s']:.1f}",
+            str(s["tokens_reused"]),
+        ])
+    return format_table(
+        ["server (measured in this run)", "VmHWM growth", "from 1st reuse", "MLX transient",
+         "MLX held after", "warm TTFT", "decode tok/s", "tokens reused"],
+        rows, title=title,
+    )
+
+
+def plot(results: Sequence[RunResult], path: Path, title: str) -> Path | None:
+    """Memory over time, one panel per server, turns shaded and cache events marked."""
+    from kvplugin.bench.plots import _pyplot, _save
+
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.6 * len(results)), sharex=False)
+    axes = axes if len(results) > 1 else [axes]
+    for ax, r in zip(axes, results):
+        t0 = r.turns[0].start
+        xs = [x["t"] - t0 for x in r.trace]
+        ax.plot(xs, [x["hwm"] / MiB for x in r.trace], label="VmHWM", color="black", lw=1)
+        ax.plot(xs, [x["rss"] / MiB for x in r.trace], label="VmRSS", color="grey", lw=0.8)
+        ax.plot(xs, [x["active"] / MiB for x in r.trace], label="MLX active", color="tab:blue", lw=0.8)
+        ax.plot(xs, [x["peak"] / MiB for x in r.trace], label="MLX peak (per sample)",
+                color="tab:orange", lw=0.5, alpha=0.7)
+        for turn in r.turns:
+            ax.axvspan(turn.start - t0, turn.end - t0, color="tab:green", alpha=0.08)
+        for x in r.trace:
+            if x["kind"] == "event" and x["name"] not in ("start", "exit"):
+                ax.axvline(x["t"] - t0, color="tab:red", lw=0.4, alpha=0.6)
+        ax.set_title(f"{r.label}: entry {r.entry_bytes / MiB:.0f} MiB", fontsize=9)
+        ax.set_ylabel("MiB")
+        ax.set_xlim(left=-1)
+    axes[0].legend(fontsize=7, loc="upper left")
+    axes[-1].set_xlabel("seconds from the first request (green: requests, red: kvplugin cache events)")
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, plt, path)
+
+
+def results_json(results: Sequence[RunResult]) -> dict[str, Any]:
+    return {
+        r.config: {
+            "summary": r.summary(),
+            "turns": [asdict(t) for t in r.turns],
+        }
+        for r in results
+    }
+
+
+def resolve_model(name: str) -> Path:
+    """``kv-heavy``, ``smollm2`` or a model directory."""
+    if name == "kv-heavy":
+        from kvplugin.tools.models.kv_heavy import build_kv_heavy_model
+
+        return build_kv_heavy_model()
+    if name == "smollm2":
+        from kvplugin.tools.models.smollm2 import build_smollm2
+
+        return build_smollm2()
+    return Path(name).expanduser().resolve()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+    import tempfile
+
+    from kvplugin.demo import TextMaker
+
+    p = argparse.ArgumentParser(prog="kvplugin bench --server --memory", description=__doc__)
+    p.add_argument("--model", action="append", default=None,
+                   help="kv-heavy (default), smollm2, or a model directory; repeatable")
+    p.add_argument("--configs", default="stock,fp16,8bit,4bit",
+                   help=f"comma-separated, from {', '.join(CONFIGS)}")
+    p.add_argument("--prompt-tokens", type=int, default=5456)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--prefill-step-size", type=int, default=256)
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {}
+    blas = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+    if sys.platform == "linux" and os.path.exists(blas):
+        env["LD_PRELOAD"] = blas  # same answers, ~40x faster fp32 matmul on CPU (stated)
+    everything = {}
+    for model_name in args.model or ["kv-heavy"]:
+        model_dir = resolve_model(model_name)
+        system = TextMaker(model_dir).text(args.prompt_tokens, seed="memory-bench")
+        results = []
+        with tempfile.TemporaryDirectory(prefix="kvplugin-membench-") as tmp:
+            for key in args.configs.split(","):
+                print(f"[{model_name}] {CONFIGS[key].label} ...", file=sys.stderr, flush=True)
+                results.append(run_one(
+                    model_dir, CONFIGS[key], key, system, turns=args.turns,
+                    max_tokens=args.max_tokens, prefill_step=args.prefill_step_size,
+                    workdir=Path(tmp), env=env,
+                ))
+        title = (f"{model_name}: one conversation, {results[0].turns[0].prompt_tokens}-token "
+                 f"prompt, {args.turns} turns, --prefill-step-size {args.prefill_step_size}"
+                 f"{' (OpenBLAS preloaded for every server)' if env else ''}")
+        print(table(results, title))
+        stem = f"server_memory_{Path(model_name).name}"
+        plot(results, args.out / f"{stem}.png", title)
+        everything[model_name] = results_json(results)
+        (args.out / f"{stem}.json").write_text(json.dumps(everything[model_name], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
