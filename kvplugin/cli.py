@@ -61,13 +61,18 @@ BENCH_MODES = {
     "engine": ("kvplugin.tools.bench.engine", "engine level: synthetic caches, stock vs kvplugin"),
     "server": ("kvplugin.tools.bench.server", "server level: real host processes, stock vs kvplugin"),
     "quality": ("kvplugin.tools.bench.quality", "answer quality with quantized KV entries"),
+    "memory": ("kvplugin.tools.bench.memory",
+               "with --server: the whole process's memory across cache reuse (VmHWM, MLX)"),
 }
 
 
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import importlib
 
-    mode = "server" if args.server else "quality" if args.quality else "engine"
+    if args.memory and args.quality:
+        parser.error("--memory goes with --server, not --quality")
+    mode = ("memory" if args.memory else "server" if args.server
+            else "quality" if args.quality else "engine")
     module_name, _ = BENCH_MODES[mode]
     rest = list(args.bench_args)
     if args.help:
@@ -106,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench", add_help=False, help="stock vs kvplugin benchmarks (engine, --server, --quality)",
-        usage="kvplugin bench [--server | --quality] [-h] [OPTIONS...]",
+        usage="kvplugin bench [--server [--memory] | --quality] [-h] [OPTIONS...]",
         description="Stock vs kvplugin in one run. Without a mode: the engine-level benchmark. "
                     "Every other option goes to the chosen benchmark; "
                     "`kvplugin bench [--server|--quality] --help` lists them.",
@@ -114,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode = bench.add_mutually_exclusive_group()
     mode.add_argument("--server", action="store_true", help=BENCH_MODES["server"][1])
     mode.add_argument("--quality", action="store_true", help=BENCH_MODES["quality"][1])
+    bench.add_argument("--memory", action="store_true", help=BENCH_MODES["memory"][1])
     bench.add_argument("-h", "--help", action="store_true",
                        help="show the chosen benchmark's options and exit")
     bench.set_defaults(func=cmd_bench, subparser=bench, bench_args=[])

@@ -168,7 +168,7 @@ def run_one(
     env: dict[str, str] | None = None,
 ) -> RunResult:
     """Start one traced server, hold the conversation, stop it, read its trace."""
-    from kvplugin.hostproc import ServerProcess, free_port
+    from kvplugin.tools.hostproc import ServerProcess, free_port
 
     port = free_port()
     trace_path = workdir / f"trace-{key}.jsonl"
@@ -196,7 +196,7 @@ def run_one(
 
 
 def table(results: Sequence[RunResult], title: str) -> str:
-    from kvplugin.bench.report import format_table
+    from kvplugin.tools.bench.report import format_table
 
     rows = []
     for r in results:
@@ -217,7 +217,7 @@ def table(results: Sequence[RunResult], title: str) -> str:
 
 def plot(results: Sequence[RunResult], path: Path, title: str) -> Path | None:
     """Memory over time, one panel per server, turns shaded and cache events marked."""
-    from kvplugin.bench.plots import _pyplot, _save
+    from kvplugin.tools.bench.plots import _pyplot, _save
 
     plt = _pyplot()
     if plt is None:
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
     import tempfile
 
-    from kvplugin.demo import TextMaker
+    from kvplugin.tools.prompts import TextMaker
 
     p = argparse.ArgumentParser(prog="kvplugin bench --server --memory", description=__doc__)
     p.add_argument("--model", action="append", default=None,

@@ -35,7 +35,7 @@ def build_kv_heavy_model(directory: Path | None = None, *, seed: int = 0) -> Pat
     from mlx_lm.models.llama import Model, ModelArgs
     from mlx_lm.utils import save_config, save_model
 
-    from kvplugin.tinymodel import build_lock, build_tiny_model, kvplugin_home
+    from kvplugin.tools.models.tiny import build_lock, build_tiny_model, kvplugin_home
 
     directory = Path(directory or kvplugin_home() / f"kv-heavy-v{VERSION}").expanduser().resolve()
     marker = directory / _MARKER
