@@ -15,7 +15,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
-from kvplugin.cache.service import KVService
+from kvplugin.cache.session import KVService
+from kvplugin import plugins
 from kvplugin.hosts import mlx_lm as host
 from kvplugin.settings import resolve_settings
 
@@ -216,7 +217,8 @@ def test_wrapped_main_rejects_bad_values(adapter, capsys, argv, words):
 
 @pytest.fixture
 def service():
-    return KVService(_settings(), host="mlx-lm", max_bytes=100 * TOKEN_BYTES, max_entries=10)
+    return KVService(_settings(), host="mlx-lm", hook=plugins.get_plugin_manager().hook,
+                     max_bytes=100 * TOKEN_BYTES, max_entries=10)
 
 
 def test_prompt_cache_insert_fetch_moves_and_leaves_one_token(service):
@@ -266,7 +268,7 @@ def test_prompt_cache_report_lists_entries(service):
 
 def test_quantized_entry_is_described_with_bits():
     from kvplugin.cache.quantize import quantize_entry
-    from kvplugin.cache.service import describe_entry
+    from kvplugin.cache.session import describe_entry
 
     q = quantize_entry(_entry(64), bits=8, group_size=64).cache
     e = describe_entry("m", list(range(64)), q, sum(c.nbytes for c in q))
@@ -288,7 +290,7 @@ def test_prompt_cache_survives_store_errors(service, monkeypatch):
 
 
 def test_key_for_cache_aligns_key_and_cache():
-    from kvplugin.cache.trim import key_for_cache
+    key_for_cache = KVService.key_for_cache  # moved from kvplugin.cache.trim
 
     tokens = list(range(20))
     assert key_for_cache(_entry(20), tokens) == tokens

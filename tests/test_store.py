@@ -23,15 +23,11 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvplugin.cache import ssd as ssd_mod
-from kvplugin.cache.trim import entry_nbytes
-from kvplugin.cache.store import (
-    PrefixTrie,
-    PromptStore,
-    SSDTier,
-    StoreEntry,
-    choose,
-)
+from kvplugin.cache.index import PrefixTrie, choose  # moved from kvplugin.cache.store
+from kvplugin.cache.layers import entry_nbytes
+from kvplugin.cache.store import PromptStore, StoreEntry
+from kvplugin.cache.tiers import ssd as ssd_mod  # moved from kvplugin.cache.ssd
+from kvplugin.cache.tiers.ssd import SSDTier
 
 H, D = 2, 32  # heads, head dim of the small test caches
 
