@@ -136,3 +136,16 @@ def test_plugin_override_wins_over_builtin(pm):
 
     pm.register(Mine())
     assert pm.hook.kvplugin_trim_entry(cache=filled_cache(10)) == ["mine"]
+
+
+def test_unconfigure_is_a_plain_hook_called_by_keyword(pm):
+    seen = []
+
+    class Mine:
+        @hookimpl
+        def kvplugin_unconfigure(self, settings, host):
+            seen.append(host)
+
+    pm.register(Mine())
+    assert pm.hook.kvplugin_unconfigure(settings=resolve_settings(), host="mlx-lm") == []
+    assert seen == ["mlx-lm"]

@@ -407,3 +407,56 @@ def test_batched_path_caches_stay_bounded(adapter):
         if not (len(bg._generation_batch) or len(bg._prompt_batch) or bg._unprocessed_sequences):
             break
     assert decoded and N <= largest <= N + CHUNK - 1
+
+
+def _provider():
+    cli = types.SimpleNamespace(prompt_cache_bytes=None, prompt_cache_size=10)
+    return types.SimpleNamespace(cli_args=cli)
+
+
+def test_run_configures_then_unconfigures_at_shutdown(adapter):
+    from kvplugin.hookspecs import hookimpl
+
+    seen = []
+
+    class Watch:
+        @hookimpl
+        def kvplugin_configure(self, settings, host):
+            seen.append(("configure", host))
+
+        @hookimpl
+        def kvplugin_unconfigure(self, settings, host):
+            seen.append(("unconfigure", host))
+
+    plugins.get_plugin_manager().register(Watch())
+    assert adapter.install(mlx_lm_server)
+    adapter.settings = _settings()
+    run = adapter._wrap_run(lambda host, port, provider: seen.append(("serving",)) or "done")
+    assert run("127.0.0.1", 0, _provider()) == "done"
+    assert seen == [("configure", "mlx-lm"), ("serving",), ("unconfigure", "mlx-lm")]
+
+
+def test_plugin_refusing_configure_stops_run_with_exit_2(adapter, capsys):
+    from kvplugin.hookspecs import hookimpl
+    from kvplugin.settings import SettingsError
+
+    class Refuse:
+        @hookimpl
+        def kvplugin_configure(self, settings, host):
+            raise SettingsError("kvp: no")
+
+    plugins.get_plugin_manager().register(Refuse())
+    assert adapter.install(mlx_lm_server)
+    adapter.settings = _settings()
+    run = adapter._wrap_run(lambda *a: pytest.fail("served despite the refusal"))
+    with pytest.raises(SystemExit) as exit_:
+        run("127.0.0.1", 0, _provider())
+    assert exit_.value.code == 2 and "kvp: no" in capsys.readouterr().err
+
+
+def test_install_registers_the_prealloc_class_through_the_registry(adapter, monkeypatch):
+    monkeypatch.delattr(cache_mod, "PreallocatedRotatingKVCache", raising=False)
+    assert adapter.install(mlx_lm_server)
+    assert cache_mod.PreallocatedRotatingKVCache is PreallocatedRotatingKVCache
+    adapter.uninstall()
+    assert not hasattr(cache_mod, "PreallocatedRotatingKVCache")
