@@ -78,7 +78,7 @@ a fetch moves the entry out, a second concurrent fetch of the same prefix while 
 first caller holds it gets a miss, or whatever shorter/other entry is still stored
 (possibly a copy from another conversation's entry).  A returned buffer is never
 referenced by a stored entry or by another caller, so the first in-place decode
-write does not double memory (unlike ``copy.deepcopy``, see HOSTS.md 1.6).
+write does not double memory (unlike ``copy.deepcopy``).
 
 Cold tier
 ---------

@@ -5,7 +5,7 @@ Installed by the bootstrap right after ``mlx_lm.server`` is imported (the
 Everything mlx-lm-specific lives here; every decision (trim, quantize, bound, spill)
 is made by :class:`kvplugin.cache.session.KVService` and the hooks behind it.
 
-Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted; HOSTS.md §1.5):
+Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted):
 
 ``mlx_lm.server.main``
     Wrapped. While it runs, the first ``ArgumentParser.parse_args`` call (patched on the
@@ -78,7 +78,7 @@ class _StartupError(ValueError):
 class KVPluginPromptCache:
     """mlx-lm's ``LRUPromptCache`` interface over one :class:`KVService`.
 
-    Differences from stock, all deliberate (issue 4): entries are trimmed to their
+    Differences from stock, all deliberate: entries are trimmed to their
     used tokens and maybe quantized before storage; a fetch *moves* the entry to the
     caller (no deepcopy) and returns it dequantized; an exact hit leaves one token to
     process (stock returns no tokens, which both host paths reject); the byte budget
