@@ -57,3 +57,21 @@ def start_server(tiny_model, tmp_path_factory):
     yield start
     for srv in reversed(started):
         srv.stop()
+
+
+@pytest.fixture
+def refusing_plugin(tmp_path) -> dict[str, str]:
+    """Env that installs a plugin (a real entry point, on PYTHONPATH) whose
+    ``kvplugin_configure`` raises ``SettingsError``: every host must stop at start-up."""
+    (tmp_path / "kvp_refuse.py").write_text(
+        "from kvplugin.hookspecs import hookimpl\n"
+        "from kvplugin.settings import SettingsError\n\n"
+        "@hookimpl\n"
+        "def kvplugin_configure(settings, host):\n"
+        "    raise SettingsError(f'kvp-refuse: refusing to serve on {host}')\n"
+    )
+    dist = tmp_path / "kvp_refuse-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-refuse\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[kvplugin]\nrefuse = kvp_refuse\n")
+    return {"PYTHONPATH": str(tmp_path)}

@@ -92,3 +92,9 @@ def test_max_kv_size_with_mlx_lm_kv_bits_is_refused(tiny_model):
     r = _start_fails(tiny_model, "--max-kv-size", "64", "--kv-bits", "8")
     assert r.returncode == 2
     assert "--max-kv-size" in r.stderr and "--kv-bits" in r.stderr
+
+
+def test_plugin_refusing_the_configuration_stops_the_server(tiny_model, refusing_plugin):
+    r = _start_fails(tiny_model, env=refusing_plugin)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "kvp-refuse: refusing to serve on mlx-lm" in r.stderr, r.stderr[-2000:]

@@ -132,3 +132,11 @@ def test_unsupported_mode_is_announced_in_one_line(start_server):
     lines = [ln for ln in srv.log_text().splitlines() if ln.startswith("kvplugin: not applied")]
     assert len(lines) == 1, srv.log_tail()
     assert "--use-paged-cache" in lines[0] and "--kv-cache-quantization" in lines[0]
+
+
+def test_plugin_refusing_the_configuration_stops_the_server(tiny_model, refusing_plugin):
+    # vllm-mlx used to swallow this and serve stock; it must stop like mlx-lm does
+    out = _serve(tiny_model, env=refusing_plugin)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert "kvp-refuse: refusing to serve on vllm-mlx" in out.stderr, out.stderr[-2000:]
+    assert "Uvicorn running" not in out.stdout + out.stderr

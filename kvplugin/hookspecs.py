@@ -9,6 +9,13 @@ Rules that keep this API stable (docs/hooks.md repeats them):
   registered ``trylast``, so any installed plugin runs before them and overrides them by
   returning a value; returning ``None`` defers to the next implementation.
 * Strategies are called once per cache event (build, store, fetch, evict), never per token.
+* ``HOOK_API_VERSION`` counts additions to this contract. A plugin written against a newer
+  contract sets ``kvplugin_hook_api_version = N`` on its module or object; kvplugin refuses to
+  load it (with one message naming it) when ``N`` is above the version it speaks. An older
+  plugin always loads: nothing is ever removed.
+* kvplugin's own strategies are ordinary plugins, one per concern, registered under the
+  names ``trim``, ``quantize``, ``bound`` and ``storage``; ``KVPLUGIN_BLOCK_PLUGINS=quantize``
+  replaces one of them, ``builtin`` blocks all four.
 
 ``cache`` below is always a *cache entry*: the list of per-layer cache objects that
 mlx-lm's ``make_prompt_cache`` returns (``KVCache``, ``QuantizedKVCache``,
@@ -21,12 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from kvplugin.types import ColdTier, StoreEntry
+
 if TYPE_CHECKING:
-    from kvplugin.cache.store import ColdTier, StoreEntry
     from kvplugin.settings import KVPluginSettings
 
 PROJECT = "kvplugin"
-HOOK_API_VERSION = 1
+#: Version 2 added ``kvplugin_unconfigure``.
+HOOK_API_VERSION = 2
+#: The attribute a plugin sets to the contract version it needs.
+API_VERSION_ATTR = "kvplugin_hook_api_version"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -39,7 +50,16 @@ def kvplugin_configure(settings: KVPluginSettings, host: str) -> None:
     ``host`` is the adapter name (``"mlx-lm"``, ``"vllm-mlx"``) or ``"none"`` outside a
     host (``kvplugin info``). Historic: a plugin registered later still receives it.
     Raise :class:`kvplugin.settings.SettingsError` to stop the host at start-up with a
-    message.
+    message (every host exits with status 2 and prints it).
+    """
+
+
+@hookspec
+def kvplugin_unconfigure(settings: KVPluginSettings, host: str) -> None:
+    """Called once at shut-down, after the store has been flushed and closed.
+
+    The counterpart of ``kvplugin_configure``: release what it acquired (connections,
+    threads, files). Nothing is stored or fetched after it. Results are ignored.
     """
 
 
@@ -88,11 +108,12 @@ def kvplugin_dequantize_entry(cache: list, settings: KVPluginSettings) -> list |
 def kvplugin_store_backend(settings: KVPluginSettings) -> ColdTier | None:
     """Provide the cold tier that evicted hot entries spill to.
 
-    Called once when a host's prompt store is created. Return an object implementing
-    :class:`kvplugin.cache.store.ColdTier`, or ``None`` for no cold tier (evictions are
-    discarded). The built-in returns an SSD tier when ``settings.ssd_cache_dir`` is set
-    and ``None`` under ``settings.hot_cache_only``. A plugin must honour
-    ``hot_cache_only`` itself.
+    Called when a host's prompt store is created, and again when a host persists its
+    prompt cache across restarts (then ``settings.ssd_cache_dir`` is the directory the host
+    keeps it in). Return an object implementing :class:`kvplugin.types.ColdTier`, or
+    ``None`` for no cold tier (evictions are discarded). The built-in returns an SSD tier
+    when ``settings.ssd_cache_dir`` is set. Never called under ``settings.hot_cache_only``:
+    kvplugin then keeps nothing outside RAM, whatever plugins are installed.
     """
 
 

@@ -98,7 +98,7 @@ def test_store_backend_none_by_default_and_hot_only(pm, tmp_path):
 
 
 def test_store_backend_ssd_when_dir_given(pm, tmp_path):
-    from kvplugin.cache.store import SSDTier
+    from kvplugin.cache.tiers.ssd import SSDTier
 
     tier = pm.hook.kvplugin_store_backend(settings=resolve_settings({"ssd_cache_dir": tmp_path}))
     assert isinstance(tier, SSDTier)
@@ -106,8 +106,8 @@ def test_store_backend_ssd_when_dir_given(pm, tmp_path):
 
 
 def test_on_evict_observed_by_a_plugin(pm):
-    from kvplugin.cache.service import KVService
-    from kvplugin.cache.trim import entry_nbytes
+    from kvplugin.cache.layers import entry_nbytes
+    from kvplugin.cache.session import KVService
 
     evicted = []
 
@@ -118,7 +118,7 @@ def test_on_evict_observed_by_a_plugin(pm):
 
     pm.register(Observer())
     one = entry_nbytes(pm.hook.kvplugin_trim_entry(cache=filled_cache(40)))
-    service = KVService(resolve_settings(), host="test", max_bytes=int(one * 1.5), pm=pm)
+    service = KVService(resolve_settings(), host="test", max_bytes=int(one * 1.5), hook=pm.hook)
     pm.hook.kvplugin_on_evict(entry=type("E", (), {"tokens": (1,)})(), settings=service.settings)
     assert evicted == [1]
     evicted.clear()
@@ -136,3 +136,16 @@ def test_plugin_override_wins_over_builtin(pm):
 
     pm.register(Mine())
     assert pm.hook.kvplugin_trim_entry(cache=filled_cache(10)) == ["mine"]
+
+
+def test_unconfigure_is_a_plain_hook_called_by_keyword(pm):
+    seen = []
+
+    class Mine:
+        @hookimpl
+        def kvplugin_unconfigure(self, settings, host):
+            seen.append(host)
+
+    pm.register(Mine())
+    assert pm.hook.kvplugin_unconfigure(settings=resolve_settings(), host="mlx-lm") == []
+    assert seen == ["mlx-lm"]

@@ -15,7 +15,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
-from kvplugin.cache.service import KVService
+from kvplugin.cache.session import KVService
+from kvplugin import plugins
 from kvplugin.hosts import mlx_lm as host
 from kvplugin.settings import resolve_settings
 
@@ -216,7 +217,8 @@ def test_wrapped_main_rejects_bad_values(adapter, capsys, argv, words):
 
 @pytest.fixture
 def service():
-    return KVService(_settings(), host="mlx-lm", max_bytes=100 * TOKEN_BYTES, max_entries=10)
+    return KVService(_settings(), host="mlx-lm", hook=plugins.get_plugin_manager().hook,
+                     max_bytes=100 * TOKEN_BYTES, max_entries=10)
 
 
 def test_prompt_cache_insert_fetch_moves_and_leaves_one_token(service):
@@ -266,7 +268,7 @@ def test_prompt_cache_report_lists_entries(service):
 
 def test_quantized_entry_is_described_with_bits():
     from kvplugin.cache.quantize import quantize_entry
-    from kvplugin.cache.service import describe_entry
+    from kvplugin.cache.session import describe_entry
 
     q = quantize_entry(_entry(64), bits=8, group_size=64).cache
     e = describe_entry("m", list(range(64)), q, sum(c.nbytes for c in q))
@@ -288,7 +290,7 @@ def test_prompt_cache_survives_store_errors(service, monkeypatch):
 
 
 def test_key_for_cache_aligns_key_and_cache():
-    from kvplugin.cache.trim import key_for_cache
+    key_for_cache = KVService.key_for_cache  # moved from kvplugin.cache.trim
 
     tokens = list(range(20))
     assert key_for_cache(_entry(20), tokens) == tokens
@@ -405,3 +407,56 @@ def test_batched_path_caches_stay_bounded(adapter):
         if not (len(bg._generation_batch) or len(bg._prompt_batch) or bg._unprocessed_sequences):
             break
     assert decoded and N <= largest <= N + CHUNK - 1
+
+
+def _provider():
+    cli = types.SimpleNamespace(prompt_cache_bytes=None, prompt_cache_size=10)
+    return types.SimpleNamespace(cli_args=cli)
+
+
+def test_run_configures_then_unconfigures_at_shutdown(adapter):
+    from kvplugin.hookspecs import hookimpl
+
+    seen = []
+
+    class Watch:
+        @hookimpl
+        def kvplugin_configure(self, settings, host):
+            seen.append(("configure", host))
+
+        @hookimpl
+        def kvplugin_unconfigure(self, settings, host):
+            seen.append(("unconfigure", host))
+
+    plugins.get_plugin_manager().register(Watch())
+    assert adapter.install(mlx_lm_server)
+    adapter.settings = _settings()
+    run = adapter._wrap_run(lambda host, port, provider: seen.append(("serving",)) or "done")
+    assert run("127.0.0.1", 0, _provider()) == "done"
+    assert seen == [("configure", "mlx-lm"), ("serving",), ("unconfigure", "mlx-lm")]
+
+
+def test_plugin_refusing_configure_stops_run_with_exit_2(adapter, capsys):
+    from kvplugin.hookspecs import hookimpl
+    from kvplugin.settings import SettingsError
+
+    class Refuse:
+        @hookimpl
+        def kvplugin_configure(self, settings, host):
+            raise SettingsError("kvp: no")
+
+    plugins.get_plugin_manager().register(Refuse())
+    assert adapter.install(mlx_lm_server)
+    adapter.settings = _settings()
+    run = adapter._wrap_run(lambda *a: pytest.fail("served despite the refusal"))
+    with pytest.raises(SystemExit) as exit_:
+        run("127.0.0.1", 0, _provider())
+    assert exit_.value.code == 2 and "kvp: no" in capsys.readouterr().err
+
+
+def test_install_registers_the_prealloc_class_through_the_registry(adapter, monkeypatch):
+    monkeypatch.delattr(cache_mod, "PreallocatedRotatingKVCache", raising=False)
+    assert adapter.install(mlx_lm_server)
+    assert cache_mod.PreallocatedRotatingKVCache is PreallocatedRotatingKVCache
+    adapter.uninstall()
+    assert not hasattr(cache_mod, "PreallocatedRotatingKVCache")

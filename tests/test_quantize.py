@@ -29,7 +29,8 @@ from kvplugin.cache.quantize import (
     validate_bits_group,
     validate_group_size_for_model,
 )
-from kvplugin.cache.trim import entry_nbytes, trim_entry
+from kvplugin.cache.layers import entry_nbytes
+from kvplugin.cache.trim import trim_entry
 
 H, D = 4, 128
 

@@ -23,15 +23,11 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvplugin.cache import ssd as ssd_mod
-from kvplugin.cache.trim import entry_nbytes
-from kvplugin.cache.store import (
-    PrefixTrie,
-    PromptStore,
-    SSDTier,
-    StoreEntry,
-    choose,
-)
+from kvplugin.cache.index import PrefixTrie, choose  # moved from kvplugin.cache.store
+from kvplugin.cache.layers import entry_nbytes
+from kvplugin.cache.store import PromptStore, StoreEntry
+from kvplugin.cache.tiers import ssd as ssd_mod  # moved from kvplugin.cache.ssd
+from kvplugin.cache.tiers.ssd import SSDTier
 
 H, D = 2, 32  # heads, head dim of the small test caches
 
@@ -450,8 +446,8 @@ def test_thread_safety_smoke(tmp_path):
     st = s.stats()
     assert st.hits + st.misses == 6 * 25
     assert st.spills > 0 and st.hits > 0
-    assert st.entries == len(s) == sum(len(t) for t in s._tries.values())
-    assert s.nbytes == sum(e.nbytes for e in s._lru.values()) <= s.max_bytes
+    assert st.entries == len(s) == sum(len(t) for t in s._index._tries.values())  # index moved
+    assert s.nbytes == sum(e.nbytes for e in s._index._lru.values()) <= s.max_bytes
     assert cold.nbytes <= cold.max_bytes and len(cold) == st.cold_entries
     assert not [p for p in files_under(tmp_path) if ".tmp-" in p or ".claim-" in p]
     n_files = len([p for p in files_under(tmp_path) if p.endswith(".safetensors")])

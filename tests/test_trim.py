@@ -18,14 +18,14 @@ from mlx_lm.models.cache import (
 )
 
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
-from kvplugin.cache.trim import (
+from kvplugin.cache.layers import (  # moved from kvplugin.cache.trim
     entry_arrays,
     entry_nbytes,
     entry_tokens,
     is_exact,
-    trim_entry,
     trim_layer,
 )
+from kvplugin.cache.trim import trim_entry
 
 H, D = 2, 32
 DT = mx.float16
@@ -244,7 +244,7 @@ def test_with_headroom_bounds_the_transient_of_reuse():
     """A trimmed entry reused for a next turn: growing every layer inside one forward pass
     doubles memory; with_headroom grows one layer at a time first, and the next update then
     writes in place."""
-    from kvplugin.cache.trim import with_headroom
+    from kvplugin.cache.layers import with_headroom
 
     layers, n, turn = 8, 1000, 64
 

@@ -108,7 +108,7 @@ def model_fingerprint(model: Any) -> str:
 
 
 def _host_minor() -> str:
-    """mlx-lm's minor version: its cache files do not cross minor releases (HOSTS.md)."""
+    """mlx-lm's minor version: its cache files do not cross minor releases."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -16,11 +16,11 @@ the peak is buffer + window and afterwards only the buffer stays. Stock builds t
 (plus a temporal-order copy when rotated) and then keeps it as its buffer.
 
 Saving/loading: ``mlx_lm.models.cache.load_prompt_cache`` resolves class names with
-``globals()[name]`` in its own module, so importing this module registers the subclass there
-(:func:`register_with_mlx_lm`, idempotent). We keep the true class name rather than saving as
+``globals()[name]`` in its own module, so the host adapters register the subclass there
+through their patch registry (:func:`register_with_mlx_lm`, idempotent, undone on uninstall). We keep the true class name rather than saving as
 ``RotatingKVCache`` because a stock ``RotatingKVCache`` loaded from our state would work but
 silently lose pre-allocation; the cost is that a process loading such a file must import this
-module first (every process kvplugin runs in does). The saved state has the stock layout (an
+module and register it first (every host process kvplugin patches does). The saved state has the stock layout (an
 exact-size prefix while ``offset < max_size``), so it is small and a stock class could read it.
 
 Imports only ``mlx.core`` and ``mlx_lm.models.cache``; works on mlx-lm 0.31.3 (``state`` +
@@ -192,18 +192,22 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
     state = property(_get_state, RotatingKVCache.state.fset)
 
 
-def register_with_mlx_lm() -> None:
+def register_with_mlx_lm(patches: Any = None) -> None:
     """Make ``mlx_lm.models.cache.load_prompt_cache`` (and ``CacheList``) find our class.
 
-    Both resolve saved class names through that module's ``globals()``. Idempotent; adds a
-    name and replaces nothing of mlx-lm's.
+    Both resolve saved class names through that module's ``globals()``. Adds a name and
+    replaces nothing of mlx-lm's; idempotent. Host adapters pass their patch registry
+    (anything with ``add(owner, name, value)``) so that uninstalling takes the name away
+    again; a script that only wants to load such files may call it without one. Importing
+    this module changes nothing in mlx-lm.
     """
     name = PreallocatedRotatingKVCache.__name__
-    if getattr(_mlx_cache, name, None) is not PreallocatedRotatingKVCache:
+    if getattr(_mlx_cache, name, None) is PreallocatedRotatingKVCache:
+        return
+    if patches is None:
         setattr(_mlx_cache, name, PreallocatedRotatingKVCache)
-
-
-register_with_mlx_lm()
+    else:
+        patches.add(_mlx_cache, name, PreallocatedRotatingKVCache)
 
 
 def _check_step(step: int) -> int:

@@ -26,6 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from kvplugin.cache.layers import is_quantizable
+
 __all__ = [
     "ALLOWED_BITS",
     "ALLOWED_GROUP_SIZES",
@@ -159,13 +161,7 @@ def quantize_entry(cache: list, *, bits: int, group_size: int) -> QuantizeResult
     fresh: list[mx.array] = []
     quantized = skipped = 0
     for layer in cache:
-        if (
-            type(layer) is KVCache
-            and layer.keys is not None
-            and layer.offset > 0
-            and layer.keys.shape[-1] % group_size == 0
-            and layer.values.shape[-1] % group_size == 0
-        ):
+        if is_quantizable(layer, group_size):
             q = _quantize_layer(layer, bits, group_size)
             fresh.extend(q.keys + q.values)
             out.append(q)

@@ -1,8 +1,9 @@
 """Tiered prompt store: a RAM hot tier with move-on-fetch, and a pluggable cold tier.
 
-Host-independent: imports only ``mlx.core`` and ``mlx_lm.models.cache`` classes (the
-built-in cold tier, :class:`kvplugin.cache.ssd.SSDTier`, lives in ``ssd.py`` and is
-re-exported here lazily).  Never imports a host server module.
+Host-independent and tier-independent: the cold tier is any :class:`kvplugin.types.ColdTier`
+handed in (the built-in one, ``kvplugin.cache.tiers.ssd.SSDTier``, is never imported here).
+What a layer can do (trim, copy a prefix, price) is asked of :mod:`kvplugin.cache.layers`;
+the token index (trie + LRU) is :class:`kvplugin.cache.index.KeyIndex`.
 
 Vocabulary
 ----------
@@ -29,7 +30,7 @@ Hot tier
   and lookup cost O(len(tokens)); nothing scans all entries or bytes.
 * One global LRU order over all model keys.  ``insert`` and a copy-hit (below) make
   an entry most-recently used.
-* Entries are priced at insert by ``nbytes`` (default :func:`kvplugin.cache.trim.entry_nbytes` = sum of
+* Entries are priced at insert by ``nbytes`` (default :func:`kvplugin.cache.layers.entry_nbytes` = sum of
   the layers' ``nbytes``, i.e. the real bytes held, spare capacity included).
   After an insert the store evicts LRU entries while ``nbytes > max_bytes`` or
   ``len > max_entries``; the entry just inserted is never evicted by its own insert.
@@ -77,7 +78,7 @@ a fetch moves the entry out, a second concurrent fetch of the same prefix while 
 first caller holds it gets a miss, or whatever shorter/other entry is still stored
 (possibly a copy from another conversation's entry).  A returned buffer is never
 referenced by a stored entry or by another caller, so the first in-place decode
-write does not double memory (unlike ``copy.deepcopy``, see HOSTS.md 1.6).
+write does not double memory (unlike ``copy.deepcopy``).
 
 Cold tier
 ---------
@@ -111,44 +112,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol, Sequence, runtime_checkable
 
-import mlx.core as mx
-from mlx_lm.models import cache as _mlc
+from kvplugin.cache.index import KeyIndex, to_key
+from kvplugin.cache.layers import can_copy_prefix, copy_prefix, entry_nbytes, is_trimmable
+from kvplugin.types import ColdTier, StoreEntry
 
-from kvplugin.cache.trim import entry_arrays, entry_nbytes
-
-if TYPE_CHECKING:  # re-exported lazily by __getattr__ at the bottom
-    from .ssd import SSDTier
-
-__all__ = [
-    "ColdTier",
-    "PromptStore",
-    "SSDTier",
-    "StoreEntry",
-    "StoreStats",
-    "can_copy_prefix",
-    "copy_prefix",
-    "is_trimmable",
-    "to_key",
-]
+__all__ = ["ColdTier", "PromptStore", "StoreEntry", "StoreStats"]
 
 log = logging.getLogger("kvplugin.cache")
-
-
-# --------------------------------------------------------------------------- data
-
-
-@dataclass
-class StoreEntry:
-    """One hot-tier entry; passed to ``on_evict``."""
-
-    model_key: Hashable
-    tokens: tuple  # tuple[int, ...]
-    cache: list
-    nbytes: int
 
 
 @dataclass
@@ -187,372 +160,6 @@ class StoreStats:
     cold_bytes: int = -1
 
 
-@runtime_checkable
-class ColdTier(Protocol):
-    """What a cold-storage plugin implements.  All methods must be thread-safe.
-
-    ``put(model_key, tokens, cache) -> bool``: keep a copy of ``cache`` (the store
-    drops its reference after the call); False if refused.  Must not keep
-    references to the arrays past the call unless it owns them.
-
-    ``fetch(model_key, tokens) -> (cache, n) | None``: a cache holding exactly
-    ``tokens[:n]``, ``1 <= n <= len(tokens)``, that no one else references (the
-    caller will write into it).  Normally the longest stored prefix of ``tokens``.
-    Whether the stored copy is consumed is the tier's choice (``SSDTier``: a prefix
-    hit consumes the file, a common-prefix copy keeps it).
-
-    ``close()``: release resources; further calls may fail.
-
-    Optional ``probe(model_key, tokens) -> int``: without I/O, the ``n`` that
-    ``fetch`` would return now (0 if none).  Lets the store prefer a better cold
-    entry over a weaker hot one.
-    """
-
-    def put(self, model_key: str, tokens: Sequence[int], cache: list) -> bool: ...
-
-    def fetch(self, model_key: str, tokens: Sequence[int]) -> tuple[list, int] | None: ...
-
-    def close(self) -> None: ...
-
-
-# ------------------------------------------------------------------- cache helpers
-
-
-def to_key(tokens: Iterable[int] | Any) -> tuple:
-    """Token sequence (list, tuple, ``mx.array``, numpy array) -> tuple of ints."""
-    if isinstance(tokens, mx.array):
-        tokens = tokens.reshape(-1).tolist()
-    elif hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):
-        tokens = tokens.tolist()
-    return tuple(map(int, tokens))
-
-
-def is_trimmable(cache: list) -> bool:
-    """True if every layer can be trimmed (mlx-lm ``can_trim_prompt_cache``)."""
-    try:
-        return bool(cache) and all(c.is_trimmable() for c in cache)
-    except Exception:
-        return False
-
-
-_SCALARS = (int, float, bool, str, type(None))
-
-
-def _kind_of(layer) -> str | None:
-    """Name of the mlx-lm base class whose layout ``layer`` has (None: unknown)."""
-    for name in (
-        "CacheList",
-        "QuantizedKVCache",
-        "RotatingKVCache",
-        "ChunkedKVCache",
-        "KVCache",
-        "ConcatenateKVCache",
-        "ArraysCache",
-    ):
-        cls = getattr(_mlc, name, None)
-        if cls is not None and isinstance(layer, cls):
-            return name
-    return None
-
-
-# array-holding (and scalar) attributes each kind is known to have
-KNOWN_FIELDS = {
-    "KVCache": ("keys", "values", "offset"),
-    "ConcatenateKVCache": ("keys", "values", "offset"),
-    "QuantizedKVCache": ("keys", "values", "offset", "group_size", "bits"),
-    "RotatingKVCache": ("keys", "values", "offset", "keep", "max_size", "_idx"),
-    "ChunkedKVCache": ("keys", "values", "offset", "chunk_size", "start_position"),
-    "ArraysCache": ("cache", "left_padding", "lengths"),
-    "CacheList": ("caches",),
-}
-
-
-def extra_scalars(layer, kind: str) -> dict | None:
-    """Instance attributes beyond ``KNOWN_FIELDS[kind]`` (e.g. an instance ``step``).
-    None if any of them is not a plain scalar (then the layer is not portable)."""
-    known = KNOWN_FIELDS[kind]
-    extra = {}
-    for k, v in getattr(layer, "__dict__", {}).items():
-        if k in known:
-            continue
-        if not isinstance(v, _SCALARS):
-            return None
-        extra[k] = v
-    return extra
-
-
-def _seq_prefix(x, n: int):
-    """Fresh arrays holding positions ``[:n]`` along axis -2 of x (array or list)."""
-    if isinstance(x, (list, tuple)):
-        return type(x)(mx.array(a[..., :n, :]) for a in x)
-    return mx.array(x[..., :n, :])
-
-
-def _copy_layer(layer, n: int):
-    kind = _kind_of(layer)
-    if kind is None or kind == "ArraysCache":
-        return None
-    if not layer.is_trimmable():
-        return None
-    extra = extra_scalars(layer, kind)
-    if extra is None:
-        return None
-    new = type(layer).__new__(type(layer))
-    if kind == "CacheList":
-        kids = [_copy_layer(c, n) for c in layer.caches]
-        if any(k is None for k in kids):
-            return None
-        new.__dict__.update(extra)
-        new.caches = type(layer.caches)(kids) if isinstance(layer.caches, tuple) else kids
-        return new
-    offset = layer.offset
-    if n > offset:
-        return None
-    new.__dict__.update(extra)
-    for f in KNOWN_FIELDS[kind]:
-        if f not in ("keys", "values"):
-            setattr(new, f, getattr(layer, f))
-    if kind == "ChunkedKVCache":
-        m = n - layer.start_position
-        if m < 0:
-            return None
-    elif kind == "RotatingKVCache":
-        if layer._idx != offset:  # not in temporal order
-            return None
-        m = n
-        new._idx = n
-    else:
-        m = n
-    if layer.keys is None:
-        if n:
-            return None
-        new.keys = new.values = None
-    else:
-        new.keys = _seq_prefix(layer.keys, m)
-        new.values = _seq_prefix(layer.values, m)
-    new.offset = n
-    return new
-
-
-def can_copy_prefix(cache: list, n: int) -> bool:
-    """Cheap check whether :func:`copy_prefix` would succeed (no copying)."""
-
-    def ok(layer) -> bool:
-        kind = _kind_of(layer)
-        if kind is None or kind == "ArraysCache" or extra_scalars(layer, kind) is None:
-            return False
-        if not layer.is_trimmable():
-            return False
-        if kind == "CacheList":
-            return all(ok(c) for c in layer.caches)
-        if n > layer.offset:
-            return False
-        if kind == "ChunkedKVCache":
-            return n >= layer.start_position
-        if kind == "RotatingKVCache":
-            return layer._idx == layer.offset
-        return True
-
-    try:
-        return bool(cache) and n >= 1 and all(ok(c) for c in cache)
-    except Exception:
-        return False
-
-
-def copy_prefix(cache: list, n: int) -> list | None:
-    """A new cache entry holding the first ``n`` positions of ``cache`` in fresh,
-    exact-size, evaluated arrays (no buffer shared with ``cache``).  None if some
-    layer kind cannot be copied that way."""
-    try:
-        out = [_copy_layer(c, n) for c in cache]
-    except Exception:
-        log.debug("copy_prefix failed", exc_info=True)
-        return None
-    if not out or any(c is None for c in out):
-        return None
-    mx.eval(entry_arrays(out))
-    return out
-
-
-def _flat_layers(cache):
-    for c in cache:
-        if _kind_of(c) == "CacheList":
-            yield from _flat_layers(c.caches)
-        else:
-            yield c
-
-
-# ------------------------------------------------------------------- radix trie
-
-
-class _Node:
-    __slots__ = ("edge", "children", "value")
-
-    def __init__(self, edge: tuple = ()):
-        self.edge = edge
-        self.children: dict = {}
-        self.value = None
-
-
-def _common(edge: tuple, key: tuple, pos: int) -> int:
-    """Length of the common prefix of ``edge`` and ``key[pos:]``."""
-    n = min(len(edge), len(key) - pos)
-    if key[pos : pos + n] == edge[:n]:
-        return n
-    i = 0
-    step = 256
-    while i + step <= n and key[pos + i : pos + i + step] == edge[i : i + step]:
-        i += step
-    while i < n and key[pos + i] == edge[i]:
-        i += 1
-    return i
-
-
-class PrefixTrie:
-    """Radix trie mapping token tuples to values; all operations O(len(key)).
-
-    Compact invariant: every non-root node without a value has >= 2 children.
-    """
-
-    def __init__(self):
-        self.root = _Node()
-        self.size = 0
-
-    def __len__(self):
-        return self.size
-
-    def insert(self, key: tuple, value):
-        """Set ``key`` to ``value``; return the previous value (or None)."""
-        node, pos = self.root, 0
-        while pos < len(key):
-            child = node.children.get(key[pos])
-            if child is None:
-                leaf = _Node(key[pos:])
-                node.children[key[pos]] = leaf
-                node, pos = leaf, len(key)
-                break
-            m = _common(child.edge, key, pos)
-            if m < len(child.edge):  # split the edge
-                mid = _Node(child.edge[:m])
-                child.edge = child.edge[m:]
-                mid.children[child.edge[0]] = child
-                node.children[key[pos]] = mid
-                child = mid
-            node, pos = child, pos + m
-        old = node.value
-        node.value = value
-        if old is None:
-            self.size += 1
-        return old
-
-    def _path(self, key: tuple):
-        path, node, pos = [self.root], self.root, 0
-        while pos < len(key):
-            child = node.children.get(key[pos])
-            if child is None or _common(child.edge, key, pos) < len(child.edge):
-                return None
-            node, pos = child, pos + len(child.edge)
-            path.append(node)
-        return path
-
-    def get(self, key: tuple):
-        path = self._path(key)
-        return None if path is None else path[-1].value
-
-    def remove(self, key: tuple):
-        """Remove ``key``; return its value (None if absent)."""
-        path = self._path(key)
-        if path is None or path[-1].value is None:
-            return None
-        node = path[-1]
-        value, node.value = node.value, None
-        self.size -= 1
-        if len(path) >= 2:
-            self._compact(path[-2], node)
-        if len(path) >= 3:
-            self._compact(path[-3], path[-2])
-        return value
-
-    @staticmethod
-    def _compact(parent: _Node, node: _Node):
-        if node.value is not None or parent.children.get(node.edge[0]) is not node:
-            return
-        if not node.children:
-            del parent.children[node.edge[0]]
-        elif len(node.children) == 1:
-            (child,) = node.children.values()
-            child.edge = node.edge + child.edge
-            parent.children[node.edge[0]] = child
-
-    def search(self, key: tuple):
-        """Walk ``key``.  Returns ``(prefixes, deep_len, deep_node, deep_self)``:
-        ``prefixes`` = [(length, value)] for stored keys that are prefixes of
-        ``key`` (shortest first); every value in ``deep_node``'s subtree (itself
-        included iff ``deep_self``) that is not in ``prefixes`` shares exactly
-        ``deep_len`` leading tokens with ``key`` (or extends ``key`` when
-        ``deep_len == len(key)``)."""
-        prefixes = []
-        node, pos = self.root, 0
-        while True:
-            if node.value is not None:
-                prefixes.append((pos, node.value))
-            if pos == len(key):
-                return prefixes, pos, node, False
-            child = node.children.get(key[pos])
-            if child is None:
-                return prefixes, pos, node, False
-            m = _common(child.edge, key, pos)
-            if m < len(child.edge):
-                return prefixes, pos + m, child, True
-            node, pos = child, pos + m
-
-    @staticmethod
-    def any_below(node: _Node, include_self: bool):
-        """Some value in ``node``'s subtree (first found descending), or None."""
-        if include_self and node.value is not None:
-            return node.value
-        while node.children:
-            node = next(iter(node.children.values()))
-            if node.value is not None:
-                return node.value
-        return None
-
-    def prefixes_of(self, key: tuple):
-        """[(length, value)] of stored strict prefixes of ``key``."""
-        prefixes, *_ = self.search(key)
-        return [(n, v) for n, v in prefixes if n < len(key)]
-
-
-def choose(trie: PrefixTrie, key: tuple, *, trimmable, copyable):
-    """Pick the best candidate for a request (shared by hot and cold tiers).
-
-    ``trimmable(value) -> bool``; ``copyable(value, n) -> bool``.  Returns None or
-    ``(mode, value, n)`` with mode "move" (value's key is a prefix of ``key``; if
-    its length equals ``len(key)`` the caller must trim one token) or "copy" (copy
-    the first ``n`` positions).  ``1 <= n <= len(key) - 1`` always.
-    """
-    cap = len(key) - 1
-    if cap < 1:
-        return None
-    prefixes, deep_len, deep_node, deep_self = trie.search(key)
-    best = None
-    for plen, value in reversed(prefixes):
-        if plen <= cap:
-            best = ("move", value, plen)
-            break
-        if trimmable(value):  # exact match: move it and trim one token
-            best = ("move", value, cap)
-            break
-    n = min(deep_len, cap)
-    if n >= 1 and n > (best[2] if best else 0):
-        value = PrefixTrie.any_below(deep_node, deep_self)
-        if value is not None and copyable(value, n):
-            best = ("copy", value, n)
-    return best
-
-
-# ------------------------------------------------------------------- the store
-
 
 class PromptStore:
     """Tiered prompt store; see the module docstring for the exact semantics.
@@ -581,10 +188,8 @@ class PromptStore:
         self.cold = cold
         self.on_evict = on_evict
         self._lock = threading.RLock()
-        self._tries: dict[Hashable, PrefixTrie] = {}
-        self._lru: OrderedDict = OrderedDict()  # (model_key, key) -> StoreEntry
+        self._index = KeyIndex(size=lambda e: e.nbytes)  # (model_key, tokens) -> StoreEntry
         self._owner: dict[int, StoreEntry] = {}  # id(first layer) -> entry holding it
-        self._nbytes = 0
         self._c = dict.fromkeys(
             (
                 "stored hits misses evictions spills cold_hits discarded moved copied "
@@ -597,18 +202,18 @@ class PromptStore:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._lru)
+            return len(self._index)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the hot tier (sum of the entries' prices)."""
         with self._lock:
-            return self._nbytes
+            return self._index.nbytes
 
     def entries(self) -> list[StoreEntry]:
         """The hot-tier entries, least recently used first (a snapshot list)."""
         with self._lock:
-            return list(self._lru.values())
+            return self._index.values()
 
     def snapshot(self) -> tuple[StoreStats, list[StoreEntry]]:
         """Counters and entries taken under one lock, so they agree with each other."""
@@ -619,11 +224,12 @@ class PromptStore:
         """Snapshot of the counters (see :class:`StoreStats`)."""
         with self._lock:
             by_kind: dict[str, int] = {}
-            for e in self._lru.values():
+            for e in self._index.values():
                 for layer in e.cache:
                     name = type(layer).__name__
                     by_kind[name] = by_kind.get(name, 0) + entry_nbytes([layer])
-            s = StoreStats(entries=len(self._lru), bytes=self._nbytes, bytes_by_kind=by_kind, **self._c)
+            s = StoreStats(entries=len(self._index), bytes=self._index.nbytes,
+                           bytes_by_kind=by_kind, **self._c)
         cold = self.cold
         if cold is not None:
             try:
@@ -641,18 +247,15 @@ class PromptStore:
     # ---------------------------------------------------------------- internals
 
     def _remove(self, entry: StoreEntry) -> None:
-        self._tries[entry.model_key].remove(entry.tokens)
-        if not self._tries[entry.model_key].size:
-            del self._tries[entry.model_key]
-        del self._lru[(entry.model_key, entry.tokens)]
+        self._index.remove(entry.model_key, entry.tokens)
         if self._owner.get(id(entry.cache[0])) is entry:
             del self._owner[id(entry.cache[0])]
-        self._nbytes -= entry.nbytes
 
     def _evict_until(self, n_bytes: int, n_entries: int, keep=None) -> list:
         out = []
-        while self._lru and (self._nbytes > n_bytes or len(self._lru) > n_entries):
-            entry = next(iter(self._lru.values()))
+        index = self._index
+        while len(index) and (index.nbytes > n_bytes or len(index) > n_entries):
+            entry = index.oldest()
             if entry is keep:
                 break
             self._remove(entry)
@@ -660,7 +263,7 @@ class PromptStore:
         self._c["evictions"] += len(out)
         return out
 
-    def _dispose(self, evicted: list) -> None:
+    def _dispose(self, evicted: list, *, spill: bool = True) -> None:
         """Outside the lock: observer hook, then spill or discard."""
         evicted.reverse()
         while evicted:
@@ -670,7 +273,7 @@ class PromptStore:
                     self.on_evict(entry)
                 except Exception:
                     log.exception("kvplugin: on_evict hook failed")
-            ok = self.cold is not None and self._cold_put(entry.model_key, entry.tokens, entry.cache)
+            ok = spill and self.cold is not None and self._cold_put(entry.model_key, entry.tokens, entry.cache)
             with self._lock:
                 self._c["spills" if ok else "discarded"] += 1
         entry = None
@@ -683,11 +286,8 @@ class PromptStore:
             return False
 
     def _plan(self, model_key, key):
-        trie = self._tries.get(model_key)
-        if trie is None:
-            return None
-        return choose(
-            trie,
+        return self._index.choose(
+            model_key,
             key,
             trimmable=lambda e: is_trimmable(e.cache),
             copyable=lambda e, n: can_copy_prefix(e.cache, n),
@@ -751,23 +351,16 @@ class PromptStore:
             if held is not None and (held.model_key, held.tokens) != (model_key, key):
                 self._remove(held)  # same cache object re-inserted under a new key
             if hot:
-                trie = self._tries.get(model_key)
-                if trie is None:
-                    trie = self._tries[model_key] = PrefixTrie()
-                old = trie.insert(key, entry)
+                old = self._index.add(model_key, key, entry)
                 if old is not None:
-                    del self._lru[(model_key, key)]
                     if self._owner.get(id(old.cache[0])) is old:
                         del self._owner[id(old.cache[0])]
-                    self._nbytes -= old.nbytes
                     if old.cache[0] is not cache[0]:
                         self._c["replaced"] += 1
-                self._lru[(model_key, key)] = entry
                 self._owner[id(cache[0])] = entry
-                self._nbytes += price
                 self._c["stored"] += 1
                 if is_trimmable(cache):
-                    for _, prev in trie.prefixes_of(key):
+                    for _, prev in self._index.prefixes_of(model_key, key):
                         if prev.cache[0] is not cache[0]:
                             self._c["superseded"] += 1
                         self._remove(prev)
@@ -795,13 +388,14 @@ class PromptStore:
             want_cold = False
             if cold is not None and len(key) >= 2:
                 probe = getattr(cold, "probe", None)
-                if probe is None:
-                    want_cold = plan is None
-                else:
-                    try:
-                        want_cold = min(int(probe(model_key, key)), len(key) - 1) > hot_n
-                    except Exception:
-                        log.exception("kvplugin: cold tier probe failed")
+                try:
+                    found = probe(model_key, key) if probe is not None else None
+                    if found is None:  # no probe (or a wrapper of a tier without one)
+                        want_cold = plan is None
+                    else:
+                        want_cold = min(int(found), len(key) - 1) > hot_n
+                except Exception:
+                    log.exception("kvplugin: cold tier probe failed")
             if not want_cold:
                 return self._serve_hot(plan)
         got = self._fetch_cold(model_key, key)
@@ -845,10 +439,24 @@ class PromptStore:
             )
         self._dispose(evicted)
 
+    def flush(self) -> bool:
+        """Spill every hot entry to the cold tier (shut-down). True if one was written."""
+        if self.cold is None:
+            return False
+        before = self.stats().spills
+        self.trim_to(n_bytes=0, n_entries=0)
+        return self.stats().spills > before
 
-def __getattr__(name):  # lazy re-export, avoids a circular import with ssd.py
-    if name == "SSDTier":
-        from .ssd import SSDTier
+    def drop_all(self) -> None:
+        """Evict every hot entry without spilling it (a host's "clear the cache"): evicted
+        entries still go through ``on_evict`` and count as discarded."""
+        with self._lock:
+            evicted = self._evict_until(0, 0)
+        self._dispose(evicted, spill=False)
 
-        return SSDTier
-    raise AttributeError(name)
+    def attach_cold(self, cold: ColdTier) -> None:
+        """Give a store that has none a cold tier (persistence found after start-up)."""
+        with self._lock:
+            if self.cold is not None:
+                raise ValueError("the store already has a cold tier")
+            self.cold = cold

@@ -1,14 +1,19 @@
-"""What every host adapter shares: version gating and a patch registry that restores.
+"""What every host adapter shares: version gating, a patch registry that restores, and the
+jobs every adapter has (building the session, failing at start-up, the model check, the
+active line, the stats report, checking seams).
 
-An adapter *translates* between a host's internals and kvplugin's hooks; it never
-decides policy. It declares the distribution it patches and the version range it was
-proven against (the tox matrix); outside that range it says so once and patches nothing.
-Patching is all-or-nothing: if any step fails, every patch already applied is undone.
+An adapter *translates* between a host's internals and kvplugin's engine; it never decides
+policy (that is :mod:`kvplugin.cache.session`). It declares the distribution it patches and
+the version range it was proven against (the tox matrix); outside that range it says so
+once and patches nothing. Patching is all-or-nothing: if any step fails, every patch
+already applied is undone.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +25,42 @@ from packaging.version import InvalidVersion, Version
 from kvplugin.log import say
 
 _MISSING = object()
+
+#: The route every host serves kvplugin's report at.
+STATS_PATH = "/kvplugin/stats"
+
+
+class SeamError(RuntimeError):
+    """A seam kvplugin needs is missing or has an unexpected shape (a fork, a new release)."""
+
+
+def require(ok: bool, what: str) -> None:
+    """Fail closed: raise :class:`SeamError` naming the seam unless ``ok``."""
+    if not ok:
+        raise SeamError(what)
+
+
+def require_attrs(owner: Any, *names: str) -> None:
+    """Every name present on ``owner`` (a module or class of the host)."""
+    for name in names:
+        require(hasattr(owner, name), f"{_label(owner)}.{name} is missing")
+
+
+def fail_start(message: str, *, hard: bool = False) -> None:
+    """Stop the server at start-up: print ``message`` (it names flag and variable), exit 2.
+
+    ``hard`` (or any thread but the main one): leave at once with ``os._exit``. From inside
+    a server's start-up (a generation thread, uvicorn's lifespan) a ``SystemExit`` would be
+    caught and turned into a traceback and another exit status; nothing needs cleaning up.
+    """
+    print(message, file=sys.stderr, flush=True)
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    if hard or threading.current_thread() is not threading.main_thread():
+        os._exit(2)
+    raise SystemExit(2)
 
 
 @dataclass
@@ -44,6 +85,13 @@ class PatchRegistry:
         self.patches.append(_Patch(owner, name, raw))
         setattr(owner, name, new)
         return current
+
+    def add(self, owner: Any, name: str, value: Any) -> None:
+        """Set a name ``owner`` does not have yet (``restore_all`` deletes it again)."""
+        if name in vars(owner):
+            raise AttributeError(f"{_label(owner)} already has {name!r}")
+        self.patches.append(_Patch(owner, name, _MISSING))
+        setattr(owner, name, value)
 
     def restore_all(self) -> None:
         """Undo in reverse order, restoring identity (``owner.__dict__[name] is original``)."""
@@ -133,6 +181,38 @@ class HostAdapter:
         with self._lock:
             self.registry.restore_all()
             self.installed = False
+
+    # -- the jobs every adapter has, done one way -------------------------------------------
+    def make_session(self, settings: Any, *, max_bytes: int | None,
+                     max_entries: int | None) -> Any:
+        """The process's :class:`~kvplugin.cache.session.KVService`, on the plugin manager's
+        hook relay. Raises ``SettingsError`` when a plugin refuses the configuration."""
+        from kvplugin.cache.session import KVService
+        from kvplugin.plugins import get_plugin_manager
+
+        return KVService(settings, host=self.name, hook=get_plugin_manager().hook,
+                         max_bytes=max_bytes, max_entries=max_entries)
+
+    def model_problem(self, model: Any, settings: Any, given_flags: Any = ()) -> str | None:
+        """The session's model check (group size vs head dimension), one message."""
+        from kvplugin.cache.session import model_problem
+
+        return model_problem(model, settings, given_flags)
+
+    def say_active(self, session: Any, *, mode: str | None = None) -> None:
+        """The one ``kvplugin: active ...`` line, once per process, then one line for each
+        setting that changed another's meaning (see :func:`kvplugin.settings.notices`)."""
+        from kvplugin.settings import notices, setting_sources
+
+        say(session.active_line(self.version(), stats_path=STATS_PATH, mode=mode),
+            key=f"{self.name}:active")
+        given = getattr(self, "given_flags", None) or {}
+        for line in notices(session.settings, setting_sources(given)):
+            say(line, key=f"{self.name}:notice:{line}")
+
+    def report(self, session: Any, **host_fields: Any) -> dict:
+        """What ``GET /kvplugin/stats`` answers: the session's report and the host version."""
+        return session.report(host_version=str(self.version()), **host_fields)
 
 
 def wraps_original(original: Callable) -> Callable[[Callable], Callable]:

@@ -3,9 +3,9 @@
 Installed by the bootstrap right after ``mlx_lm.server`` is imported (the
 ``mlx_lm.server`` console script and ``python -m mlx_lm server`` both import it).
 Everything mlx-lm-specific lives here; every decision (trim, quantize, bound, spill)
-is made by :class:`kvplugin.cache.service.KVService` and the hooks behind it.
+is made by :class:`kvplugin.cache.session.KVService` and the hooks behind it.
 
-Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted; HOSTS.md §1.5):
+Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted):
 
 ``mlx_lm.server.main``
     Wrapped. While it runs, the first ``ArgumentParser.parse_args`` call (patched on the
@@ -15,7 +15,8 @@ Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted; HOSTS.md §1.5):
 ``mlx_lm.server.run``
     Wrapped. Builds the process's :class:`KVService` from the settings and the host's
     ``--prompt-cache-bytes`` (stock never passes it to its cache) / ``--prompt-cache-size``,
-    says one ``kvplugin: active (...)`` line, then calls the original ``run``.
+    says one ``kvplugin: active (...)`` line, then calls the original ``run``; when it
+    returns (shut-down) the service is closed (``kvplugin_unconfigure``).
 ``mlx_lm.server.LRUPromptCache``
     Rebound (a by-name copy that ``run`` instantiates) to :class:`KVPluginPromptCache`,
     which keeps the host's interface and is backed by the service's store.
@@ -24,7 +25,10 @@ Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted; HOSTS.md §1.5):
     the original, then ``service.make_cache`` (``--max-kv-size``, ``--kv-cache-step``).
 ``BatchKVCache.step`` / ``BatchRotatingKVCache.step``
     The batched path re-merges every cache into these classes, which grow by their class
-    ``step``; set from ``--kv-cache-step`` / ``--max-kv-size`` when the service starts.
+    ``step``; set to what ``KVService.batch_steps`` decides when the service starts.
+``mlx_lm.models.cache.PreallocatedRotatingKVCache``
+    Added (not replaced), so ``load_prompt_cache`` can read entries saved with kvplugin's
+    bounded cache class.
 ``ModelProvider._load`` / ``ModelProvider.load_default``
     Wrapped: the quantization group size is checked against the loaded model's head
     dimension; at start-up (the default model, loaded by the generation thread) a bad
@@ -40,8 +44,6 @@ import argparse
 import importlib
 import inspect
 import json
-import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -49,17 +51,21 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from kvplugin.cache.fingerprint import model_fingerprint
-from kvplugin.hosts.base import HostAdapter, PatchRegistry, wraps_original
+from kvplugin.hosts.base import (
+    STATS_PATH,
+    HostAdapter,
+    PatchRegistry,
+    SeamError,
+    fail_start,
+    require,
+    wraps_original,
+)
 from kvplugin.hostspecs import MLX_LM
 from kvplugin.log import say
 
-STATS_PATH = "/kvplugin/stats"
+__all__ = ["ADAPTER", "STATS_PATH", "KVPluginPromptCache", "MlxLmAdapter", "SeamError"]
+
 HOST_NAME = MLX_LM.name
-_GROUP_FIELD = "kv_cache_quantization_group_size"
-
-
-class SeamError(RuntimeError):
-    """A seam kvplugin needs is missing or has an unexpected shape (a fork, a new release)."""
 
 
 class _StartupError(ValueError):
@@ -73,7 +79,7 @@ class _StartupError(ValueError):
 class KVPluginPromptCache:
     """mlx-lm's ``LRUPromptCache`` interface over one :class:`KVService`.
 
-    Differences from stock, all deliberate (issue 4): entries are trimmed to their
+    Differences from stock, all deliberate: entries are trimmed to their
     used tokens and maybe quantized before storage; a fetch *moves* the entry to the
     caller (no deepcopy) and returns it dequantized; an exact hit leaves one token to
     process (stock returns no tokens, which both host paths reject); the byte budget
@@ -120,14 +126,8 @@ class KVPluginPromptCache:
         *,
         cache_type: str = "assistant",
     ) -> None:
-        from kvplugin.cache.trim import key_for_cache
-
         try:
-            tokens = list(tokens)
-            entry_tokens = key_for_cache(prompt_cache, tokens)
-            if entry_tokens is None:
-                return
-            self.service.insert(model_fingerprint(model), entry_tokens, prompt_cache)
+            self.service.give_back(model_fingerprint(model), list(tokens), prompt_cache)
         except Exception as exc:
             say(f"prompt cache insert failed ({type(exc).__name__}: {exc}); entry "
                 "dropped", key="mlx-lm:insert-failed")
@@ -141,9 +141,7 @@ class KVPluginPromptCache:
     # -- kvplugin ----------------------------------------------------------------------
     def report(self) -> dict:
         """The service's report plus the host version (``GET /kvplugin/stats``)."""
-        out = self.service.report()
-        out["host_version"] = str(ADAPTER.version())
-        return out
+        return ADAPTER.report(self.service)
 
 
 # --------------------------------------------------------------------------- #
@@ -152,11 +150,6 @@ class KVPluginPromptCache:
 
 def _params(fn: Callable) -> list[str]:
     return list(inspect.signature(fn).parameters)
-
-
-def _require(ok: bool, what: str) -> None:
-    if not ok:
-        raise SeamError(what)
 
 
 class MlxLmAdapter(HostAdapter):
@@ -191,6 +184,9 @@ class MlxLmAdapter(HostAdapter):
             patches.replace(gen_mod, "make_prompt_cache", wrapped_mpc)
 
         patches.replace(server, "LRUPromptCache", KVPluginPromptCache)
+        from kvplugin.cache.prealloc import register_with_mlx_lm
+
+        register_with_mlx_lm(patches)
         patches.replace(server, "main", self._wrap_main(server.main))
         patches.replace(server, "run", self._wrap_run(server.run))
 
@@ -203,35 +199,35 @@ class MlxLmAdapter(HostAdapter):
         """Fail closed: every seam present, with the signature this adapter was written for."""
         for name in ("main", "run", "LRUPromptCache", "make_prompt_cache", "ModelProvider",
                      "APIHandler", "ResponseGenerator"):
-            _require(hasattr(server, name), f"mlx_lm.server.{name} is missing")
+            require(hasattr(server, name), f"mlx_lm.server.{name} is missing")
         mpc = cache_mod.make_prompt_cache
-        _require(server.make_prompt_cache is mpc,
+        require(server.make_prompt_cache is mpc,
                  "mlx_lm.server.make_prompt_cache is not mlx_lm.models.cache's")
         gen_mpc = getattr(gen_mod, "make_prompt_cache", mpc)
-        _require(gen_mpc is mpc, "mlx_lm.generate.make_prompt_cache is not mlx_lm.models.cache's")
-        _require(_params(mpc)[:2] == ["model", "max_kv_size"],
+        require(gen_mpc is mpc, "mlx_lm.generate.make_prompt_cache is not mlx_lm.models.cache's")
+        require(_params(mpc)[:2] == ["model", "max_kv_size"],
                  f"make_prompt_cache{inspect.signature(mpc)}")
-        _require(_params(server.run)[:3] == ["host", "port", "model_provider"],
+        require(_params(server.run)[:3] == ["host", "port", "model_provider"],
                  f"run{inspect.signature(server.run)}")
-        _require(_params(server.main) == [], f"main{inspect.signature(server.main)}")
+        require(_params(server.main) == [], f"main{inspect.signature(server.main)}")
         lru = server.LRUPromptCache
         stock = lru is getattr(cache_mod, "LRUPromptCache", None)
-        _require(stock or lru.__name__ == "LRUPromptCache",
+        require(stock or lru.__name__ == "LRUPromptCache",
                  "mlx_lm.server.LRUPromptCache is not mlx-lm's")
-        _require(_params(lru.fetch_nearest_cache)[:3] == ["self", "model", "tokens"],
+        require(_params(lru.fetch_nearest_cache)[:3] == ["self", "model", "tokens"],
                  "LRUPromptCache.fetch_nearest_cache")
         ins = inspect.signature(lru.insert_cache).parameters
-        _require(list(ins)[:4] == ["self", "model", "tokens", "prompt_cache"]
+        require(list(ins)[:4] == ["self", "model", "tokens", "prompt_cache"]
                  and "cache_type" in ins, "LRUPromptCache.insert_cache")
         trim = inspect.signature(lru.trim_to).parameters
-        _require("n_sequences" in trim and "n_bytes" in trim, "LRUPromptCache.trim_to")
+        require("n_sequences" in trim and "n_bytes" in trim, "LRUPromptCache.trim_to")
         provider = server.ModelProvider
-        _require(_params(provider._load)[:4] == ["self", "model_path", "adapter_path",
+        require(_params(provider._load)[:4] == ["self", "model_path", "adapter_path",
                                                  "draft_model_path"], "ModelProvider._load")
-        _require(_params(provider.load_default) == ["self"], "ModelProvider.load_default")
-        _require(callable(getattr(server.APIHandler, "do_GET", None)), "APIHandler.do_GET")
+        require(_params(provider.load_default) == ["self"], "ModelProvider.load_default")
+        require(callable(getattr(server.APIHandler, "do_GET", None)), "APIHandler.do_GET")
         for cls in ("BatchKVCache", "BatchRotatingKVCache", "KVCache", "RotatingKVCache"):
-            _require(isinstance(getattr(getattr(cache_mod, cls, None), "step", None), int),
+            require(isinstance(getattr(getattr(cache_mod, cls, None), "step", None), int),
                      f"mlx_lm.models.cache.{cls}.step")
 
     # -- settings and service ----------------------------------------------------------
@@ -245,15 +241,13 @@ class MlxLmAdapter(HostAdapter):
             return self.settings
 
     def create_service(self, *, max_bytes: int | None, max_entries: int | None) -> Any:
-        from kvplugin.cache.service import KVService
-
         settings = self.ensure_settings()
-        service = KVService(settings, host=HOST_NAME, max_bytes=max_bytes,
-                            max_entries=max_entries)
+        service = self.make_session(settings, max_bytes=max_bytes, max_entries=max_entries)
         with self._state_lock:
             self.service = service
-        self._patch_batch_steps(settings)
-        self._say_active(service)
+        self._apply_batch_steps(service)
+        self.say_active(service)
+        self._say_bounded_batches(settings)
         return service
 
     def take_pending_service(self) -> Any:
@@ -261,45 +255,17 @@ class MlxLmAdapter(HostAdapter):
             service, self._pending = self._pending, None
             return service
 
-    def _patch_batch_steps(self, settings: Any) -> None:
-        """The batched path merges every cache into Batch*KVCache, which grow by the
-        class ``step``: carry ``--kv-cache-step`` / ``--max-kv-size`` over to them."""
+    def _apply_batch_steps(self, service: Any) -> None:
+        """Set the batch caches' class ``step`` to what the session decided (once)."""
         with self._state_lock:
             if self._step_patched:
                 return
             self._step_patched = True
-        cm = self._cache_mod
-        if settings.kv_cache_step is not None:
-            self.registry.replace(cm.BatchKVCache, "step", settings.kv_cache_step)
-        if settings.max_kv_size is not None:
-            # grow to the bound in one step (never beyond: min(step, max_size - prev))
-            self.registry.replace(cm.BatchRotatingKVCache, "step", settings.max_kv_size)
+        for cls, step in service.batch_steps().items():
+            self.registry.replace(getattr(self._cache_mod, cls), "step", step)
 
-    def _say_active(self, service: Any) -> None:
-        s = service.settings
-        if s.kv_cache_quantization:
-            quant = (f"{s.kv_cache_quantization_bits}-bit entries, group "
-                     f"{s.kv_cache_quantization_group_size}, from "
-                     f"{s.kv_cache_min_quantize_tokens} tokens")
-        else:
-            quant = "off"
-        store = service.store
-        budget = "unlimited" if store.max_bytes >= 1 << 62 else f"{store.max_bytes} bytes"
-        entries = "unlimited" if store.max_entries is None else f"{store.max_entries} entries"
-        if s.hot_cache_only:
-            cold = "none (--hot-cache-only: evictions are discarded)"
-        elif store.cold is not None:
-            cold = f"{s.ssd_cache_dir} (max {s.ssd_cache_max_gb:g} GB)"
-        else:
-            cold = "none (evictions are discarded)"
-        bound = f"{s.max_kv_size} tokens" if s.max_kv_size is not None else "unbounded"
-        step = f", kv-cache-step {s.kv_cache_step}" if s.kv_cache_step is not None else ""
-        say(
-            f"active on mlx-lm {self.version()} (prompt cache: {budget}, {entries}; "
-            f"quantization: {quant}; max-kv-size: {bound}{step}; cold tier: {cold}; "
-            f"stats: GET {STATS_PATH})",
-            key="mlx-lm:active",
-        )
+    def _say_bounded_batches(self, s: Any) -> None:
+        """How mlx-lm's own batched path bounds (it is mlx-lm's class, not kvplugin's)."""
         if s.max_kv_size is not None:
             say(
                 f"--max-kv-size {s.max_kv_size}: sequential requests (a seed, images, a draft "
@@ -352,17 +318,14 @@ class MlxLmAdapter(HostAdapter):
             settings = settings_from_namespace(parser, ns)
         except SettingsError as err:
             parser.error(str(err))
-        if settings.max_kv_size is not None and getattr(ns, "kv_bits", None) is not None:
-            parser.error(
-                "kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
-                "mlx-lm's --kv-bits: mlx-lm cannot quantize a rotating (bounded) cache"
-            )
-        if settings.max_kv_size is not None and getattr(ns, "draft_model", None):
-            parser.error(
-                "kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
-                "--draft-model: speculative decoding trims the cache, and a bounded cache "
-                "cannot be trimmed once it is full"
-            )
+        from kvplugin.cache.session import host_option_conflict
+
+        conflict = host_option_conflict(settings, {
+            "kv_bits": getattr(ns, "kv_bits", None),
+            "draft_model": getattr(ns, "draft_model", None),
+        })
+        if conflict is not None:
+            parser.error(conflict)
         with self._state_lock:
             self.settings = settings
             self.namespace = ns
@@ -382,9 +345,9 @@ class MlxLmAdapter(HostAdapter):
             try:
                 service = adapter.create_service(max_bytes=max_bytes, max_entries=max_entries)
             except SettingsError as err:
-                _die(str(err))
+                fail_start(str(err))
             except OSError as err:  # e.g. the cold tier's directory cannot be created
-                _die(f"kvplugin: cannot set up the prompt store: {err}")
+                fail_start(f"kvplugin: cannot set up the prompt store: {err}")
             with adapter._state_lock:
                 adapter._pending = service
             try:
@@ -392,6 +355,7 @@ class MlxLmAdapter(HostAdapter):
             finally:
                 with adapter._state_lock:
                     adapter._pending = None
+                service.close()  # shut-down: store closed, then kvplugin_unconfigure
 
         return run
 
@@ -470,33 +434,12 @@ class MlxLmAdapter(HostAdapter):
             except _StartupError as err:
                 # The default model loads in the generation thread right at start-up:
                 # the server must not keep running with a configuration it cannot honour.
-                _die(str(err), hard=threading.current_thread() is not threading.main_thread())
+                fail_start(str(err))
 
         return load_default
 
     def _group_size_problem(self, model: Any) -> str | None:
-        settings = self.settings
-        if settings is None or not settings.kv_cache_quantization or model is None:
-            return None
-        from kvplugin.cache.quantize import validate_group_size_for_model
-        from kvplugin.settings import option_info
-
-        group = settings.kv_cache_quantization_group_size
-        try:
-            validate_group_size_for_model(model, group)
-        except ValueError as exc:
-            info = option_info(_GROUP_FIELD)
-            if _GROUP_FIELD in self.given_flags:
-                got = f"{info.flag} {group}"
-            elif os.environ.get(info.env):
-                got = f"{info.env}={os.environ[info.env]}"
-            else:
-                got = f"the default {group}"
-            return (
-                f"kvplugin: invalid value for {info.flag} / {info.env}: got {got} ({exc}); "
-                f"the server cannot quantize this model's KV cache"
-            )
-        return None
+        return self.model_problem(model, self.settings, self.given_flags)
 
     def _wrap_do_get(self, original: Callable) -> Callable:
         @wraps_original(original)
@@ -539,15 +482,6 @@ def _unload(provider: Any) -> None:
         return
     for name in ("model_key", "model", "tokenizer", "draft_model"):
         setattr(provider, name, None)
-
-
-def _die(message: str, *, hard: bool = False) -> None:
-    """Stop the server at start-up with ``message`` and exit code 2."""
-    print(message, file=sys.stderr, flush=True)
-    if hard:  # from a non-main thread: sys.exit would only end that thread
-        sys.stdout.flush()
-        os._exit(2)
-    raise SystemExit(2)
 
 
 ADAPTER = MlxLmAdapter()

@@ -42,8 +42,8 @@ replaced, and every replacement goes through the :class:`PatchRegistry`):
   caches it feeds are pre-allocated to the bound (``BatchRotatingKVCache.step``), and
   ``--kv-cache-step`` sets ``BatchKVCache.step``.
 * Persistence: without ``--hot-cache-only`` the host's shut-down save / start-up load of the
-  prefix cache (``save_to_disk``/``load_from_disk``, batching mode) go through kvplugin's SSD
-  tier: ``--ssd-cache-dir`` if given, else ``<vllm-mlx's prefix-cache dir>/kvplugin`` (never
+  prefix cache (``save_to_disk``/``load_from_disk``, batching mode) are
+  ``KVService.persist``/``restore``, whose cold tier comes from ``kvplugin_store_backend``: ``--ssd-cache-dir`` if given, else ``<vllm-mlx's prefix-cache dir>/kvplugin`` (never
   mixed with vllm-mlx's own files), written at shut-down only, read lazily on the first hit;
   quantized entries stay quantized. Default mode persists only with ``--ssd-cache-dir``. With
   it, every engine's ``save_cache_to_disk``/``load_cache_from_disk`` is a no-op and no cold
@@ -59,6 +59,7 @@ Modes kvplugin does not back (paged cache, ``--no-memory-aware-cache``, multimod
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import importlib
 import importlib.metadata
@@ -72,11 +73,10 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from kvplugin.hosts.base import HostAdapter, PatchRegistry
+from kvplugin.hosts.base import STATS_PATH, HostAdapter, PatchRegistry, fail_start, require_attrs
 from kvplugin.hostspecs import VLLM_MLX
 from kvplugin.log import say
 
-STATS_PATH = "/kvplugin/stats"
 PERSIST_SUBDIR = "kvplugin"  # under the host's prefix-cache directory: never mixes with its files
 
 
@@ -123,6 +123,7 @@ class _Runtime:
         self.model_id: str | None = None  # args.model (path or repo id)
         self.mode = "simple"
         self.simple_models: dict[int, str] = {}  # id(nn.Module) -> store model key
+        self.given_flags: dict[str, Any] = {}  # settings given as flags (for messages)
         self.group_size_checked = False
         self._model_fp: str | None = None
 
@@ -209,12 +210,23 @@ class VllmMlxAdapter(HostAdapter):
 
     # -- stage 2 --------------------------------------------------------------------------
     def install_serving(self, args: argparse.Namespace, settings: Any) -> bool:
-        """Patch the serving seams (all or none). False: the host serves stock."""
+        """Patch the serving seams (all or none). False: the host serves stock.
+
+        A ``SettingsError`` (a plugin's ``kvplugin_configure`` refusing the configuration,
+        or a broken plugin) stops the server as on every host: serving stock would ignore
+        what the user asked for.
+        """
+        from kvplugin.settings import SettingsError
+
         with self._lock:
             if self.serving_installed:
                 return True
             try:
                 _install_serving(self.serving, args, settings)
+            except SettingsError as exc:
+                self.serving.restore_all()
+                _RT.service = None
+                fail_start(str(exc))
             except Exception as exc:
                 self.serving.restore_all()  # the CLI wrapping stays: settings are resolved
                 _RT.service = None
@@ -273,17 +285,17 @@ def _wrap_create_parser(original):
 def _wrap_serve_command(original, adapter: VllmMlxAdapter):
     @functools.wraps(original)
     def serve_command(args):
-        from kvplugin.options import settings_from_namespace
+        from kvplugin.options import given_flags, settings_from_namespace
         from kvplugin.settings import SettingsError, resolve_settings
 
         try:
             if _SERVE_PARSER:
+                _RT.given_flags = given_flags(_SERVE_PARSER[0], args)
                 settings = settings_from_namespace(_SERVE_PARSER[0], args)
             else:  # args built by someone else's parser: env and defaults only
                 settings = resolve_settings({})
         except SettingsError as exc:
-            print(str(exc), file=sys.stderr, flush=True)
-            sys.exit(2)
+            fail_start(str(exc))
         _RT.settings = settings
         _RT.model_id = getattr(args, "model", None)
         _RT.mode = "batching" if getattr(args, "continuous_batching", False) else "simple"
@@ -291,7 +303,7 @@ def _wrap_serve_command(original, adapter: VllmMlxAdapter):
         if adapter.install_serving(args, settings):
             _announce(args, settings)
         elif settings.hot_cache_only:  # fail closed: stock vllm-mlx would write its cache
-            _fail_start(
+            fail_start(
                 "kvplugin: --hot-cache-only (KVPLUGIN_HOT_CACHE_ONLY) cannot be honoured "
                 "because kvplugin could not patch vllm-mlx (see above); not starting"
             )
@@ -303,42 +315,6 @@ def _wrap_serve_command(original, adapter: VllmMlxAdapter):
 
 # =============================================================================================
 # group size vs head dimension
-
-
-def _group_size_problem(model_like: Any, settings: Any) -> str | None:
-    if not settings.kv_cache_quantization:
-        return None
-    from kvplugin.cache import quantize
-    from kvplugin.settings import option_info
-
-    try:
-        quantize.validate_group_size_for_model(
-            model_like, settings.kv_cache_quantization_group_size
-        )
-    except ValueError as exc:
-        info = option_info("kv_cache_quantization_group_size")
-        return (
-            f"kvplugin: invalid {info.flag} / {info.env} "
-            f"{settings.kv_cache_quantization_group_size} for this model: {exc}"
-        )
-    return None
-
-
-def _fail_start(message: str, *, hard: bool = False) -> None:
-    """Stop the server at start-up with ``message`` (exit status 2).
-
-    ``hard``: called from inside the server's start-up (uvicorn's lifespan, an engine
-    thread), where a ``SystemExit`` would be caught and turned into a traceback and
-    another exit status; nothing needs cleaning up yet, so leave at once.
-    """
-    print(message, file=sys.stderr, flush=True)
-    try:
-        sys.stdout.flush()
-    except Exception:
-        pass
-    if hard or threading.current_thread() is not threading.main_thread():
-        os._exit(2)
-    sys.exit(2)
 
 
 def _config_of(path: str | os.PathLike | None) -> dict | None:
@@ -367,9 +343,9 @@ def _check_group_size(model_like: Any, *, hard: bool = False) -> None:
     settings = _RT.settings
     if settings is None or _RT.group_size_checked:
         return
-    problem = _group_size_problem(model_like, settings)
+    problem = ADAPTER.model_problem(model_like, settings, _RT.given_flags)
     if problem is not None:
-        _fail_start(problem, hard=hard)
+        fail_start(problem, hard=hard)
     _RT.group_size_checked = True
 
 
@@ -386,13 +362,6 @@ def _early_group_size_check(args: argparse.Namespace, settings: Any) -> None:
 # stage 2: the serving seams
 
 
-def _require(owner: Any, *names: str) -> None:
-    for name in names:
-        if not hasattr(owner, name):
-            label = getattr(owner, "__name__", repr(owner))
-            raise AttributeError(f"{label}.{name} is missing")
-
-
 def _install_serving(patches: PatchRegistry, args: argparse.Namespace, settings: Any) -> None:
     import mlx_lm
 
@@ -402,22 +371,22 @@ def _install_serving(patches: PatchRegistry, args: argparse.Namespace, settings:
     from vllm_mlx.engine import batched, simple
 
     # ---- check every seam first --------------------------------------------------------
-    _require(gen_mod, "stream_generate")
-    _require(mlx_lm, "stream_generate")
-    _require(simple, "SimpleEngine", "build_system_prompt_cache_prefix")
-    _require(simple.SimpleEngine, "__init__", "start", "stop")
-    _require(scheduler, "MemoryAwarePrefixCache", "Scheduler")
-    _require(scheduler.Scheduler, "ensure_ssd_tier")
+    require_attrs(gen_mod, "stream_generate")
+    require_attrs(mlx_lm, "stream_generate")
+    require_attrs(simple, "SimpleEngine", "build_system_prompt_cache_prefix")
+    require_attrs(simple.SimpleEngine, "__init__", "start", "stop")
+    require_attrs(scheduler, "MemoryAwarePrefixCache", "Scheduler")
+    require_attrs(scheduler.Scheduler, "ensure_ssd_tier")
     if scheduler.MemoryAwarePrefixCache is not memory_cache.MemoryAwarePrefixCache:
         raise TypeError("vllm_mlx.scheduler.MemoryAwarePrefixCache is not memory_cache's")
-    _require(memory_cache, "MemoryCacheConfig", "_detach_cache_for_storage")
-    _require(memory_cache.MemoryCacheConfig, "compute_memory_limit")
-    _require(batched, "BatchedEngine")
-    _require(batched.BatchedEngine, "save_cache_to_disk", "load_cache_from_disk")
-    _require(server, "load_model", "app")
-    _require(metrics, "MetricsCollector")
-    _require(metrics.MetricsCollector, "_init_prometheus")
-    _require(mlc, "BatchKVCache", "BatchRotatingKVCache", "make_prompt_cache")
+    require_attrs(memory_cache, "MemoryCacheConfig", "_detach_cache_for_storage")
+    require_attrs(memory_cache.MemoryCacheConfig, "compute_memory_limit")
+    require_attrs(batched, "BatchedEngine")
+    require_attrs(batched.BatchedEngine, "save_cache_to_disk", "load_cache_from_disk")
+    require_attrs(server, "load_model", "app")
+    require_attrs(metrics, "MetricsCollector")
+    require_attrs(metrics.MetricsCollector, "_init_prometheus")
+    require_attrs(mlc, "BatchKVCache", "BatchRotatingKVCache", "make_prompt_cache")
     params = inspect.signature(simple.SimpleEngine.__init__).parameters
     if "max_kv_size" not in params:
         raise TypeError("SimpleEngine.__init__ has no max_kv_size (vllm-mlx < 0.3?)")
@@ -432,6 +401,10 @@ def _install_serving(patches: PatchRegistry, args: argparse.Namespace, settings:
 
     # ---- the store -------------------------------------------------------------------------
     _RT.service = _make_service(settings, args, memory_cache)
+    atexit.register(_close_at_exit)  # shut-down: store closed, then kvplugin_unconfigure
+    from kvplugin.cache.prealloc import register_with_mlx_lm
+
+    register_with_mlx_lm(patches)
 
     # ---- default (simple) mode -------------------------------------------------------------
     wrapped = _wrap_stream_generate(gen_mod.stream_generate)
@@ -453,13 +426,11 @@ def _install_serving(patches: PatchRegistry, args: argparse.Namespace, settings:
         scheduler.Scheduler, "ensure_ssd_tier", _wrap_ensure_ssd_tier(scheduler.Scheduler.ensure_ssd_tier)
     )
     if _RT.mode == "batching":  # the batch caches every request is merged into
-        if settings.kv_cache_step is not None:
-            patches.replace(mlc.BatchKVCache, "step", int(settings.kv_cache_step))
-        if settings.max_kv_size is not None:  # grow to the bound in one step, never beyond
-            patches.replace(mlc.BatchRotatingKVCache, "step", int(settings.max_kv_size))
+        for cls, step in _RT.service.batch_steps().items():
+            patches.replace(getattr(mlc, cls), "step", step)
 
     # ---- persistence -----------------------------------------------------------------------
-    if settings.hot_cache_only:
+    if not _RT.service.may_persist():
         be = batched.BatchedEngine
         patches.replace(be, "save_cache_to_disk", _no_save)
         patches.replace(be, "load_cache_from_disk", _no_load)
@@ -479,18 +450,21 @@ def _install_serving(patches: PatchRegistry, args: argparse.Namespace, settings:
 
 
 def _make_service(settings: Any, args: argparse.Namespace, memory_cache: Any) -> Any:
-    from kvplugin.cache.service import KVService
-
     config = memory_cache.MemoryCacheConfig(
         max_memory_mb=getattr(args, "cache_memory_mb", None),
         max_memory_percent=getattr(args, "cache_memory_percent", 0.20) or 0.20,
     )
-    return KVService(
+    return ADAPTER.make_session(
         settings,
-        host="vllm-mlx",
         max_bytes=int(config.compute_memory_limit()),
         max_entries=int(getattr(config, "max_entries", 1000) or 1000),
     )
+
+
+def _close_at_exit() -> None:
+    service = _RT.service
+    if service is not None:
+        service.close()
 
 
 # =============================================================================================
@@ -538,25 +512,9 @@ def _announce(args: argparse.Namespace, settings: Any) -> None:
             )
     if not_applied:
         say("not applied: " + "; ".join(not_applied), key="vllm-mlx:not-applied")
-    q = (
-        f"{settings.kv_cache_quantization_bits}-bit/g{settings.kv_cache_quantization_group_size}"
-        f" from {settings.kv_cache_min_quantize_tokens} tokens"
-        if settings.kv_cache_quantization
-        else "off"
-    )
-    cold = (
-        "none (--hot-cache-only)"
-        if settings.hot_cache_only
-        else (str(settings.ssd_cache_dir) if settings.ssd_cache_dir else "none")
-    )
-    budget = _RT.service.store.max_bytes if _RT.service is not None else 0
-    mode = "--continuous-batching" if _RT.mode == "batching" else "default (simple) mode"
-    say(
-        f"active on vllm-mlx {ADAPTER.version()} ({mode}): store budget "
-        f"{budget / 2**20:.0f} MiB, quantization {q}, max-kv-size "
-        f"{settings.max_kv_size or 'unbounded'}, SSD tier {cold}; stats at {STATS_PATH}",
-        key="vllm-mlx:active",
-    )
+    if _RT.service is not None:
+        mode = "--continuous-batching" if _RT.mode == "batching" else "default (simple) mode"
+        ADAPTER.say_active(_RT.service, mode=mode)
 
 
 def _mllm_notice() -> None:
@@ -625,7 +583,7 @@ def _wrap_simple_stop(original):
                     registered = _RT.simple_models.pop(id(model), None)
                 # an explicit --ssd-cache-dir keeps the hot entries across a restart
                 if registered is not None and _RT.service is not None:
-                    _flush_to_cold(_RT.service, only_configured=True)
+                    _RT.service.flush_configured()
 
     return stop
 
@@ -715,14 +673,9 @@ def _cached_generation(original, service, key, model, tokenizer, prompt, max_tok
 
 
 def _give_back(service: Any, key: str, sequence: list[int], cache: list) -> None:
-    """Hand a finished request's cache to the store, keyed by exactly what it holds."""
+    """Hand a finished request's cache to the store (keyed by exactly what it holds)."""
     try:
-        from kvplugin.cache.trim import key_for_cache
-
-        tokens = key_for_cache(cache, sequence)
-        if tokens is None or len(tokens) < 2:
-            return
-        service.insert(key, tokens, cache)
+        service.give_back(key, sequence, cache, min_tokens=2)
     except Exception as exc:  # never fail a finished request because of the store
         say(f"storing a prompt cache failed ({type(exc).__name__}: {exc})", key="store-failed")
 
@@ -824,7 +777,7 @@ def _make_prefix_cache_class(memory_cache: Any):
             if auxiliary or not tokens or not cache:
                 return None
             try:
-                from kvplugin.cache.trim import entry_tokens
+                from kvplugin.cache.layers import entry_tokens
 
                 held = entry_tokens(cache)
                 if held > len(tokens) or held < self._min_tokens:
@@ -861,12 +814,7 @@ def _make_prefix_cache_class(memory_cache: Any):
             return False  # fetched entries are already out of the store; others expire by LRU
 
         def clear(self) -> None:
-            store = self._service.store
-            cold, store.cold = store.cold, None  # drop, don't spill
-            try:
-                store.trim_to(n_bytes=0, n_entries=0)
-            finally:
-                store.cold = cold
+            self._service.store.drop_all()  # drop, don't spill
 
         # -- stats -------------------------------------------------------------------------
         def get_stats(self) -> dict[str, Any]:
@@ -913,10 +861,10 @@ def _make_prefix_cache_class(memory_cache: Any):
 
         # -- persistence ---------------------------------------------------------------------
         def save_to_disk(self, cache_dir: str) -> bool:
-            return _persist(self._service, cache_dir)
+            return self._service.persist(_persist_dir(cache_dir))
 
         def load_from_disk(self, cache_dir: str) -> int:
-            return _restore(self._service, cache_dir)
+            return self._service.restore(_persist_dir(cache_dir))
 
     KVPrefixCache.__qualname__ = "KVPrefixCache"
     KVPrefixCache.__module__ = __name__
@@ -927,9 +875,9 @@ def _eval_entry(cache: list) -> None:
     """Evaluate a fetched entry here (a dequantized one is lazy) so no graph crosses threads."""
     import mlx.core as mx
 
-    from kvplugin.cache.trim import _arrays_of
+    from kvplugin.cache.layers import entry_arrays
 
-    arrays = _arrays_of(cache)
+    arrays = entry_arrays(cache)
     if arrays:
         mx.eval(arrays)
 
@@ -960,90 +908,9 @@ def _wrap_ensure_ssd_tier(original):
 # persistence
 
 
-class _PersistTier:
-    """The cold tier read back after a restart; written only at shut-down.
-
-    Wraps :class:`kvplugin.cache.ssd.SSDTier` on ``<host prefix-cache dir>/kvplugin``: while
-    serving it refuses ``put`` (evictions are discarded, as stock vllm-mlx without an SSD tier
-    does) and serves hits from the previous run's files; :func:`_persist` opens it for writing.
-    """
-
-    def __init__(self, directory: Path, max_bytes: int) -> None:
-        from kvplugin.cache.ssd import SSDTier
-
-        self.tier = SSDTier(directory, max_bytes)
-        self.accept_puts = False
-
-    def put(self, model_key, tokens, cache) -> bool:
-        return self.accept_puts and self.tier.put(model_key, tokens, cache)
-
-    def fetch(self, model_key, tokens):
-        return self.tier.fetch(model_key, tokens)
-
-    def probe(self, model_key, tokens) -> int:
-        return self.tier.probe(model_key, tokens)
-
-    def close(self) -> None:
-        self.tier.close()
-
-    def __len__(self) -> int:
-        return len(self.tier)
-
-    @property
-    def nbytes(self) -> int:
-        return self.tier.nbytes
-
-
-def _flush_to_cold(service: Any, *, only_configured: bool = False) -> bool:
-    """Spill every hot entry to the store's cold tier (shut-down). True if one was written."""
-    store = service.store
-    if store.cold is None or (only_configured and isinstance(store.cold, _PersistTier)):
-        return False
-    before = store.stats().spills
-    store.trim_to(n_bytes=0, n_entries=0)
-    return store.stats().spills > before
-
-
-def _persist(service: Any, cache_dir: str) -> bool:
-    """The host's shut-down save of the prefix cache, through kvplugin's SSD tier."""
-    settings = service.settings
-    if settings.hot_cache_only:
-        return False
-    store = service.store
-    with _RT.lock:
-        if store.cold is None:
-            if len(store) == 0:
-                return False
-            store.cold = _PersistTier(
-                Path(cache_dir).expanduser() / PERSIST_SUBDIR, settings.ssd_cache_max_bytes
-            )
-        cold = store.cold
-        if isinstance(cold, _PersistTier):
-            cold.accept_puts = True
-    try:
-        return _flush_to_cold(service)
-    finally:
-        if isinstance(cold, _PersistTier):
-            cold.accept_puts = False
-
-
-def _restore(service: Any, cache_dir: str) -> int:
-    """The host's start-up load: attach the previous run's files as a (read-only) cold tier."""
-    settings = service.settings
-    if settings.hot_cache_only:
-        return 0
-    store = service.store
-    with _RT.lock:
-        if store.cold is None:
-            directory = Path(cache_dir).expanduser() / PERSIST_SUBDIR
-            if not directory.is_dir():
-                return 0
-            store.cold = _PersistTier(directory, settings.ssd_cache_max_bytes)
-        cold = store.cold
-    try:
-        return len(cold)
-    except TypeError:
-        return 0
+def _persist_dir(cache_dir: str) -> Path:
+    """kvplugin's files under the host's prefix-cache directory (never mixed with its own)."""
+    return Path(cache_dir).expanduser() / PERSIST_SUBDIR
 
 
 def _no_save(self, cache_dir: str) -> bool:
@@ -1165,10 +1032,9 @@ def _wrap_init_prometheus(original):
 def stats_report(service: Any) -> dict:
     """``KVService.report()`` (counters + stored entries, the shape every host serves at
     ``/kvplugin/stats``) plus ``host_version`` (as the mlx-lm adapter) and ``mode``."""
-    out = service.report()
-    out["host_version"] = str(ADAPTER.version())
-    out["mode"] = "continuous-batching" if _RT.mode == "batching" else "simple"
-    return out
+    return ADAPTER.report(
+        service, mode="continuous-batching" if _RT.mode == "batching" else "simple"
+    )
 
 
 def _stats_route():

@@ -270,7 +270,8 @@ def bench_growth(geo: Geometry, tokens: int, prefill: int, repeats: int,
 
 def _service(*, bits: int | None = None, group_size: int = 64, max_bytes: int = 1 << 62):
     """A real kvplugin ``KVService`` (hot tier only, quantization as asked, no threshold)."""
-    from kvplugin.cache.service import KVService
+    from kvplugin.cache.session import KVService
+    from kvplugin.plugins import get_plugin_manager
     from kvplugin.settings import KVPluginSettings
 
     settings = KVPluginSettings(
@@ -281,7 +282,7 @@ def _service(*, bits: int | None = None, group_size: int = 64, max_bytes: int = 
         hot_cache_only=True,
         ssd_cache_dir=None,
     )
-    return KVService(settings, host="bench", max_bytes=max_bytes)
+    return KVService(settings, host="bench", hook=get_plugin_manager().hook, max_bytes=max_bytes)
 
 
 def _live_cache(geo: Geometry, n: int, seed: int) -> list:
@@ -421,7 +422,8 @@ def bench_reuse(geo: Geometry, n_entry: int, turn: int, decode_after: int,
 
 def bench_stored_bytes(geo: Geometry, n_entry: int, bar: Progress) -> dict[str, Any]:
     from kvplugin.cache.quantize import attention_roundtrip_error, dequantize_entry, quantize_entry
-    from kvplugin.cache.trim import entry_nbytes, trim_entry
+    from kvplugin.cache.layers import entry_nbytes
+    from kvplugin.cache.trim import trim_entry
 
     mx = mlx_core()
     live = _live_cache(geo, n_entry, seed=300)

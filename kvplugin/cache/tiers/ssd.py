@@ -1,4 +1,4 @@
-"""``SSDTier``: the built-in cold tier of :class:`kvplugin.cache.store.PromptStore`.
+"""``SSDTier``: the built-in cold tier (:class:`kvplugin.types.ColdTier`), files on a local disk.
 
 Layout and format
 -----------------
@@ -15,7 +15,7 @@ Layout and format
   ``__tokens__`` (int64, the entry's token key) and the layers' arrays, named
   ``l<i>.<field>[.<j>]`` (``CacheList`` children ``l<i>.c<j>.``).  String metadata:
   ``format`` (``kvplugin.cache/1``), ``model_key``, ``n_tokens``, ``trimmable``
-  (``"1"`` if a prefix of the entry can be copied, see ``store.can_copy_prefix``)
+  (``"1"`` if a prefix of the entry can be copied, see ``layers.can_copy_prefix``)
   and ``layers``: JSON, one descriptor per layer: ``kind`` (mlx-lm base class used
   for the layout), ``cls`` (``module:qualname`` of the real class), ``attrs``
   (scalars: offset, step, max_size, keep, _idx, bits, group_size, chunk_size,
@@ -49,7 +49,7 @@ are deleted until the total fits (never the file just written; an entry larger
 than ``max_bytes`` is refused).  A trimmable entry supersedes (deletes) stored
 entries whose tokens are a strict prefix of its own.
 
-Fetch (same choice rule as the hot tier, ``store.choose``)
+Fetch (same choice rule as the hot tier, ``index.choose``)
 ----------------------------------------------------------
 * Longest stored prefix of the request (an exact match only if trimmable; then
   ``n = len(tokens)`` and the store trims one token): the file is **consumed**
@@ -75,26 +75,18 @@ import threading
 import time
 import uuid
 from array import array
-from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models import cache as _mlc
 
-from .store import (
-    KNOWN_FIELDS,
-    PrefixTrie,
-    _kind_of,
-    can_copy_prefix,
-    choose,
-    copy_prefix,
-    extra_scalars,
-    to_key,
-)
+from kvplugin.cache.index import KeyIndex, to_key
+from kvplugin.cache.layers import can_copy_prefix, copy_prefix
+from kvplugin.cache.serialize import Corrupt, Unsupported, deserialize_cache, serialize_cache
 
-__all__ = ["SSDTier", "serialize_cache", "deserialize_cache"]
+__all__ = ["SSDTier"]
 
 log = logging.getLogger("kvplugin.cache")
 
@@ -107,154 +99,6 @@ MARKER = ".kvplugin-tier"
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{40}" + re.escape(SUFFIX) + "$")
 _MAX_HEADER = 256 << 20
 _STALE_S = 60.0
-
-
-_SCALAR_TYPES = (int, float, bool, str, type(None))
-
-
-class _Unsupported(Exception):
-    pass
-
-
-class _Corrupt(Exception):
-    pass
-
-
-# ------------------------------------------------------------------ serialisation
-
-
-def _cls_spec(obj) -> str:
-    t = type(obj)
-    return f"{t.__module__}:{t.__qualname__}"
-
-
-def _resolve(spec: str, kind: str):
-    base = getattr(_mlc, kind, None)
-    if base is None:
-        raise _Corrupt(f"unknown layer kind {kind!r}")
-    module, _, qual = spec.partition(":")
-    obj: Any = sys.modules.get(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part, None) if obj is not None else None
-    if obj is None:  # e.g. a class registered into mlx_lm.models.cache by name
-        obj = getattr(_mlc, qual, None) if "." not in qual else None
-    if isinstance(obj, type) and issubclass(obj, base):
-        return obj
-    return base
-
-
-def _slice(x, n: int):
-    return x if x.shape[-2] == n else x[..., :n, :]
-
-
-def _put_arrays(arrays: dict, name: str, value, n: int | None):
-    """Register array(s) ``value`` (cut to n positions if n is not None) -> descriptor."""
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        names = []
-        for j, a in enumerate(value):
-            if not isinstance(a, mx.array):
-                raise _Unsupported(f"{name}[{j}] is not an array")
-            arrays[f"{name}.{j}"] = a if n is None else _slice(a, n)
-            names.append(f"{name}.{j}")
-        return {"seq": "tuple" if isinstance(value, tuple) else "list", "names": names}
-    if not isinstance(value, mx.array):
-        raise _Unsupported(f"{name} is not an array")
-    arrays[name] = value if n is None else _slice(value, n)
-    return name
-
-
-def _ser_layer(layer, prefix: str, arrays: dict) -> dict:
-    kind = _kind_of(layer)
-    if kind is None:
-        raise _Unsupported(type(layer).__name__)
-    attrs = extra_scalars(layer, kind)
-    if attrs is None:
-        raise _Unsupported(f"{type(layer).__name__} has non-scalar attributes")
-    desc: dict = {"kind": kind, "cls": _cls_spec(layer), "attrs": attrs, "arrays": {}}
-    if kind == "CacheList":
-        desc["children"] = [_ser_layer(c, f"{prefix}c{j}.", arrays) for j, c in enumerate(layer.caches)]
-        desc["tuple"] = isinstance(layer.caches, tuple)
-        return desc
-    if kind == "ArraysCache":
-        cache = layer.cache
-        desc["arrays"]["cache"] = [
-            _put_arrays(arrays, f"{prefix}cache.{j}", a, None) for j, a in enumerate(cache)
-        ]
-        for f in ("left_padding", "lengths"):
-            desc["arrays"][f] = _put_arrays(arrays, f"{prefix}{f}", getattr(layer, f, None), None)
-        return desc
-    for f in KNOWN_FIELDS[kind]:
-        if f not in ("keys", "values"):
-            v = getattr(layer, f)
-            if not isinstance(v, _SCALAR_TYPES):
-                raise _Unsupported(f"{kind}.{f} is not a scalar")
-            attrs[f] = v
-    offset = layer.offset
-    n: int | None = offset
-    if kind == "ChunkedKVCache":
-        n = offset - layer.start_position
-    elif kind == "RotatingKVCache":
-        if not (offset < layer.max_size and layer._idx == offset):
-            n = None  # wrapped or concat layout: keep the whole buffer and _idx
-    for f in ("keys", "values"):
-        desc["arrays"][f] = _put_arrays(arrays, f"{prefix}{f}", getattr(layer, f), n)
-    return desc
-
-
-def serialize_cache(cache: list) -> tuple[dict, list]:
-    """cache -> (arrays by name, layer descriptors).  Raises ``_Unsupported``."""
-    arrays: dict = {}
-    layers = [_ser_layer(c, f"l{i}.", arrays) for i, c in enumerate(cache)]
-    return arrays, layers
-
-
-def _get_arrays(arrays: dict, d):
-    if d is None:
-        return None
-    if isinstance(d, str):
-        return arrays[d]
-    seq = [arrays[n] for n in d["names"]]
-    return tuple(seq) if d["seq"] == "tuple" else seq
-
-
-def _de_layer(desc: dict, arrays: dict):
-    kind = desc["kind"]
-    cls = _resolve(desc["cls"], kind)
-    obj = cls.__new__(cls)
-    for k, v in desc["attrs"].items():
-        setattr(obj, k, v)
-    if kind == "CacheList":
-        kids = [_de_layer(c, arrays) for c in desc["children"]]
-        obj.caches = tuple(kids) if desc.get("tuple") else kids
-        return obj
-    a = desc["arrays"]
-    if kind == "ArraysCache":
-        obj.cache = [_get_arrays(arrays, d) for d in a["cache"]]
-        obj.left_padding = _get_arrays(arrays, a.get("left_padding"))
-        obj.lengths = _get_arrays(arrays, a.get("lengths"))
-        return obj
-    obj.keys = _get_arrays(arrays, a["keys"])
-    obj.values = _get_arrays(arrays, a["values"])
-    if not isinstance(obj.offset, int) or obj.offset < 0:
-        raise _Corrupt("bad offset")
-    if obj.keys is not None:
-        first = obj.keys[0] if isinstance(obj.keys, (list, tuple)) else obj.keys
-        need = obj.offset - getattr(obj, "start_position", 0)
-        if kind == "RotatingKVCache":
-            need = min(need, obj.max_size)
-        if first.shape[-2] < need:
-            raise _Corrupt("arrays shorter than offset")
-    return obj
-
-
-def deserialize_cache(arrays: dict, layers: list) -> list:
-    """Inverse of :func:`serialize_cache` (arrays as loaded by ``mx.load``)."""
-    try:
-        return [_de_layer(d, arrays) for d in layers]
-    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
-        raise _Corrupt(f"bad layer data: {e}") from e
 
 
 # ------------------------------------------------------------------ file helpers
@@ -278,34 +122,34 @@ def _read_header(path: Path) -> tuple[dict, dict]:
         size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
-            raise _Corrupt("short file")
+            raise Corrupt("short file")
         (hlen,) = struct.unpack("<Q", raw)
         if hlen > min(size - 8, _MAX_HEADER):
-            raise _Corrupt("bad header length")
+            raise Corrupt("bad header length")
         try:
             header = json.loads(f.read(hlen))
         except ValueError as e:
-            raise _Corrupt("bad header json") from e
+            raise Corrupt("bad header json") from e
         if not isinstance(header, dict):
-            raise _Corrupt("bad header")
+            raise Corrupt("bad header")
         meta = header.pop("__metadata__", None)
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise _Corrupt("not a kvplugin cache file")
+            raise Corrupt("not a kvplugin cache file")
         end = 0
         for t in header.values():
             lo, hi = t["data_offsets"]
             if not 0 <= lo <= hi:
-                raise _Corrupt("bad offsets")
+                raise Corrupt("bad offsets")
             end = max(end, hi)
         if 8 + hlen + end != size:
-            raise _Corrupt(f"size {size} != {8 + hlen + end} (truncated?)")
+            raise Corrupt(f"size {size} != {8 + hlen + end} (truncated?)")
         tok = header.get(TOKENS)
         if not tok or tok.get("dtype") != "I64":
-            raise _Corrupt("no token key")
+            raise Corrupt("no token key")
         lo, hi = tok["data_offsets"]
         n = int(meta.get("n_tokens", -1))
         if hi - lo != 8 * n or tok.get("shape") != [n] or n < 1:
-            raise _Corrupt("token key size mismatch")
+            raise Corrupt("token key size mismatch")
         f.seek(8 + hlen + lo)
         buf = f.read(hi - lo)
     a = array("q")
@@ -359,9 +203,7 @@ class SSDTier:
         self.directory = Path(directory).expanduser()
         self.max_bytes = int(max_bytes)
         self._lock = threading.RLock()
-        self._tries: dict[str, PrefixTrie] = {}
-        self._lru: OrderedDict = OrderedDict()  # (model_dir, name) -> _Rec
-        self._nbytes = 0
+        self._index = KeyIndex(size=lambda r: r.size)  # (model_dir, tokens) -> _Rec
         self._closed = False
         self.counters = dict.fromkeys(
             "puts refused hits copies misses evictions superseded corrupt".split(), 0
@@ -375,13 +217,13 @@ class SSDTier:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._lru)
+            return len(self._index)
 
     @property
     def nbytes(self) -> int:
         """Total size of the indexed files."""
         with self._lock:
-            return self._nbytes
+            return self._index.nbytes
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -391,15 +233,13 @@ class SSDTier:
         """Counters: entries, bytes, puts, refused, hits (files consumed), copies
         (prefix copies), misses, evictions, superseded, corrupt (files removed)."""
         with self._lock:
-            return {"entries": len(self._lru), "bytes": self._nbytes, **self.counters}
+            return {"entries": len(self._index), "bytes": self._index.nbytes, **self.counters}
 
     def close(self) -> None:
         """Stop using the directory (files stay for the next process)."""
         with self._lock:
             self._closed = True
-            self._tries.clear()
-            self._lru.clear()
-            self._nbytes = 0
+            self._index.clear()
 
     # ---------------------------------------------------------------- paths
 
@@ -435,27 +275,13 @@ class SSDTier:
 
     # ---------------------------------------------------------------- index
 
-    def _index_add(self, rec: _Rec, name: str) -> None:
+    def _index_add(self, rec: _Rec) -> None:
         """Under the lock."""
-        trie = self._tries.setdefault(rec.model_dir, PrefixTrie())
-        old = trie.insert(rec.key, rec)
-        if old is not None:
-            self._nbytes -= old.size
-            self._lru.pop((old.model_dir, name), None)
-        self._lru[(rec.model_dir, name)] = rec
-        self._nbytes += rec.size
+        self._index.add(rec.model_dir, rec.key, rec)
 
     def _index_remove(self, rec: _Rec) -> None:
         """Under the lock (does not touch the file)."""
-        name = _key_name(rec.key)
-        if self._lru.pop((rec.model_dir, name), None) is None:
-            return
-        trie = self._tries.get(rec.model_dir)
-        if trie is not None:
-            trie.remove(rec.key)
-            if not trie.size:
-                del self._tries[rec.model_dir]
-        self._nbytes -= rec.size
+        self._index.remove(rec.model_dir, rec.key)
 
     def _drop(self, rec: _Rec) -> None:
         """Under the lock: remove from the index and delete the file."""
@@ -482,9 +308,9 @@ class SSDTier:
                     _, meta = _read_header(p)
                     key = meta["__key__"]
                     if self.model_dir_name(meta.get("model_key")) != sub.name or _key_name(key) != p.name:
-                        raise _Corrupt("misplaced file")
+                        raise Corrupt("misplaced file")
                     st = p.stat()
-                except (OSError, _Corrupt, ValueError, KeyError, TypeError) as e:
+                except (OSError, Corrupt, ValueError, KeyError, TypeError) as e:
                     log.warning("kvplugin: removing unreadable cache file %s: %s", p, e)
                     self.counters["corrupt"] += 1
                     _unlink(p)
@@ -494,13 +320,13 @@ class SSDTier:
         found.sort(key=lambda t: t[0])
         with self._lock:
             for _, name, rec in found:
-                self._index_add(rec, name)
+                self._index_add(rec)
             self._enforce(keep=None)
 
     def _enforce(self, keep) -> None:
         """Under the lock: delete LRU files until within budget."""
-        while self._nbytes > self.max_bytes and self._lru:
-            rec = next(iter(self._lru.values()))
+        while self._index.nbytes > self.max_bytes and len(self._index):
+            rec = self._index.oldest()
             if rec is keep:
                 break
             self._drop(rec)
@@ -516,7 +342,7 @@ class SSDTier:
             return False
         try:
             arrays, layers = serialize_cache(cache)
-        except (_Unsupported, AttributeError) as e:
+        except (Unsupported, AttributeError) as e:
             log.debug("kvplugin: not spilling entry: %s", e)
             self._count("refused")
             return False
@@ -554,9 +380,9 @@ class SSDTier:
                 os.replace(tmp, mdir / name)
                 _fsync_dir(mdir)
                 rec = _Rec(mdir_name, key, size, trimmable)
-                self._index_add(rec, name)
+                self._index_add(rec)
                 if trimmable:
-                    for _, prev in self._tries[mdir_name].prefixes_of(key):
+                    for _, prev in self._index.prefixes_of(mdir_name, key):
                         self._drop(prev)
                         self.counters["superseded"] += 1
                 self._enforce(keep=rec)
@@ -571,10 +397,9 @@ class SSDTier:
     # ---------------------------------------------------------------- fetch
 
     def _plan(self, model_key, key):
-        trie = self._tries.get(self.model_dir_name(model_key))
-        if trie is None:
-            return None
-        return choose(trie, key, trimmable=lambda r: r.trimmable, copyable=lambda r, n: r.trimmable)
+        return self._index.choose(self.model_dir_name(model_key), key,
+                                  trimmable=lambda r: r.trimmable,
+                                  copyable=lambda r, n: r.trimmable)
 
     def probe(self, model_key: str, tokens: Sequence[int]) -> int:
         """Tokens ``fetch`` would cover now (index only, no I/O; 0 if none)."""
@@ -608,7 +433,7 @@ class SSDTier:
                     return None
                 path, n = claim, len(rec.key)
             else:
-                self._lru.move_to_end((rec.model_dir, _key_name(rec.key)))
+                self._index.touch(rec.model_dir, rec.key)
                 try:
                     os.utime(path)
                 except OSError:
@@ -620,7 +445,7 @@ class SSDTier:
             with self._lock:
                 self.counters["corrupt"] += 1
                 self.counters["misses"] += 1
-                if mode == "copy" and self._lru.get((rec.model_dir, _key_name(rec.key))) is rec:
+                if mode == "copy" and self._index.get(rec.model_dir, rec.key) is rec:
                     self._drop(rec)
             if mode == "move":
                 _unlink(path)
@@ -639,7 +464,7 @@ class SSDTier:
     def _load(self, path: Path, model_key, key: tuple) -> list:
         _, meta = _read_header(path)
         if meta["__key__"] != key or meta.get("model_key") != str(model_key):
-            raise _Corrupt("file does not hold this entry")
+            raise Corrupt("file does not hold this entry")
         layers = json.loads(meta["layers"])
         arrays = mx.load(str(path))
         arrays.pop(TOKENS, None)

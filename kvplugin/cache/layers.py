@@ -1,0 +1,440 @@
+"""The layer vocabulary: the one module that knows mlx-lm's cache classes.
+
+Why one module: trimming, pricing, quantizing, prefix copies and the cold tier each need to
+know, per cache class, how many tokens a layer holds, where its arrays are, whether it can be
+cut to a prefix, trimmed exactly or quantized. Written once here, a new class (a chunked,
+recurrent, MLA or batch variant) is taught to kvplugin in one place.
+
+Two ways of naming a layer, on purpose:
+
+* its **kind** (:class:`LayerKind`, looked up by *exact* class in :data:`KINDS`): what kvplugin
+  may do that depends on the meaning of ``offset`` and the buffer layout: exact trim, growth
+  headroom, quantization. A subclass (a host's own) may give ``offset`` another meaning, so it
+  gets nothing until registered with :func:`register_kind`.
+* its **layout** (:func:`layout_of`, by ``isinstance`` against mlx-lm's base classes): which
+  array fields it has, for prefix copies and (de)serialisation (``kvplugin.cache.serialize``),
+  where a subclass with only extra *scalar* attributes is as portable as its base.
+
+Everything here works on one entry (a list of layers) or one layer and never mutates its input
+unless the docstring says so. Imports only ``mlx.core`` and ``mlx_lm.models.cache``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as _mlc
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
+
+__all__ = [
+    "KINDS", "KNOWN_FIELDS", "LayerKind", "can_copy_prefix", "copy_prefix", "dense_nbytes",
+    "entry_arrays", "entry_nbytes", "entry_tokens", "extra_scalars", "is_exact",
+    "is_quantizable", "is_trimmable", "layer_bits", "layout_of", "register_kind",
+    "trim_layer", "with_headroom",
+]
+
+log = logging.getLogger("kvplugin.cache")
+
+# ----------------------------------------------------------------------- accounting
+
+
+def entry_arrays(obj: Any, seen: set[int] | None = None) -> list[mx.array]:
+    """Every distinct ``mx.array`` an object holds (attributes, nested containers/caches).
+
+    A loop over an explicit stack, not a recursive closure: a closure that refers to itself
+    is a reference cycle, and the cell holding the result list kept every visited array
+    alive until Python's cycle collector ran (whole entries outliving their release).
+    """
+    seen = set() if seen is None else seen
+    out: list[mx.array] = []
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, mx.array):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
+        elif hasattr(x, "__dict__") and not isinstance(x, type):
+            stack.extend(reversed(list(vars(x).values())))
+    return out
+
+
+def entry_nbytes(cache: list) -> int:
+    """Bytes of all distinct arrays the entry's layers hold (capacity, not just used slots).
+
+    Unlike summing ``layer.nbytes`` this works for every layer kind (and empty quantized
+    layers) and counts an array shared between layers once.
+    """
+    seen: set[int] = set()
+    return sum(a.nbytes for layer in cache for a in entry_arrays(layer, seen))
+
+
+def entry_tokens(cache: list) -> int:
+    """Tokens the entry represents: the largest integer ``offset`` among its layers (0 if none).
+
+    For a rotating layer this is the number of tokens processed, not the slots it holds.
+    """
+    best = 0
+    for layer in cache:
+        off = getattr(layer, "offset", None)
+        if isinstance(off, int) and not isinstance(off, bool):
+            best = max(best, off)
+    return best
+
+
+def layer_bits(layer: Any) -> int | None:
+    """The quantization bits of a quantized layer, ``None`` for a full-precision one."""
+    bits = getattr(layer, "bits", None)
+    return bits if isinstance(bits, int) and not isinstance(bits, bool) else None
+
+
+def dense_nbytes(layer: Any) -> int:
+    """Bytes the layer's used tokens take in full precision (its own bytes if not quantized)."""
+    bits = layer_bits(layer)
+    keys = getattr(layer, "keys", None)
+    if bits is None or not isinstance(keys, (tuple, list)) or not keys:
+        try:
+            return int(layer.nbytes)
+        except Exception:
+            return 0
+    total = 0
+    scales = keys[1] if len(keys) > 1 else None
+    dtype_size = scales.dtype.size if scales is not None else 2
+    n = int(getattr(layer, "offset", 0) or 0)
+    for parts in (layer.keys, layer.values):
+        *lead, _, packed_dim = parts[0].shape
+        count = n * (packed_dim * 32 // bits)
+        for d in lead:
+            count *= d
+        total += count * dtype_size
+    return total
+
+
+# ----------------------------------------------------------------------- kinds (exact class)
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What kvplugin may do with layers of one exact class.
+
+    ``exact(layer)``: holds no unused slots. ``trim(layer)``: a copy holding exactly the used
+    tokens, lazy (``layer`` itself when it cannot be shortened safely). ``growable``:
+    :func:`with_headroom` may give it room. ``quantizable``: the quantize codec may turn it
+    into a ``QuantizedKVCache``.
+    """
+
+    name: str
+    exact: Callable[[Any], bool]
+    trim: Callable[[Any], Any]
+    growable: bool = False
+    quantizable: bool = False
+
+
+def _fresh(pieces: list[mx.array]) -> mx.array:
+    """A new array owning its memory, made of ``pieces`` joined along the sequence axis.
+
+    A plain slice is a view that keeps its parent buffer alive, hence the copy.
+    """
+    pieces = [p for p in pieces if p.shape[2] > 0] or pieces[:1]
+    if len(pieces) == 1:
+        return mx.contiguous(pieces[0])
+    return mx.concatenate(pieces, axis=2)
+
+
+def _seq_len(layer: Any) -> int | None:
+    """Slots held along the sequence axis, or None when the layer holds no arrays."""
+    keys = getattr(layer, "keys", None)
+    if keys is None:
+        return None
+    if isinstance(keys, (tuple, list)):
+        return int(keys[0].shape[-2])
+    return int(keys.shape[2])
+
+
+def _exact_linear(layer: Any) -> bool:
+    size = _seq_len(layer)
+    return size is None or size == layer.offset
+
+
+def _exact_rotating(layer: Any) -> bool:
+    size = _seq_len(layer)
+    if size is None:
+        return True
+    return size <= layer.max_size if layer.offset >= layer.max_size else size == layer.offset
+
+
+def _empty_like(layer: Any) -> Any:
+    new = copy.copy(layer)
+    new.keys = None
+    new.values = None
+    if isinstance(new, RotatingKVCache):
+        new._idx = 0
+    return new
+
+
+def _trim_plain(layer: Any) -> Any:
+    if layer.offset <= 0:
+        return _empty_like(layer)
+    n, new = layer.offset, copy.copy(layer)
+    new.keys = _fresh([layer.keys[..., :n, :]])
+    new.values = _fresh([layer.values[..., :n, :]])
+    return new
+
+
+def _trim_quantized(layer: Any) -> Any:
+    if layer.offset <= 0:
+        return _empty_like(layer)
+    n, new = layer.offset, copy.copy(layer)
+    new.keys = tuple(_fresh([x[..., :n, :]]) for x in layer.keys)
+    new.values = tuple(_fresh([x[..., :n, :]]) for x in layer.values)
+    return new
+
+
+def _trim_rotating(layer: Any) -> Any:
+    """Never wrapped: like ``KVCache``. Wrapped after a multi-token prefill (up to
+    ``max_size + L - 1`` slots in temporal order): keep ``keep`` + the newest
+    ``max_size - keep`` with ``_idx = max_size``, the state the stock class reaches on its next
+    one-token update, so the result behaves identically. Anything unexpected: unchanged."""
+    if layer.offset <= 0:
+        return _empty_like(layer)
+    keys, values = layer.keys, layer.values
+    size, offset, max_size, keep = keys.shape[2], layer.offset, layer.max_size, layer.keep
+    new = copy.copy(layer)
+    if offset < max_size:
+        if layer._idx != offset:
+            return layer
+        new.keys = _fresh([keys[..., :offset, :]])
+        new.values = _fresh([values[..., :offset, :]])
+        new._idx = offset
+        return new
+    if size <= max_size:
+        return layer  # wrapped in place: exactly max_size slots, already minimal
+    if layer._idx != size or not 0 <= keep < max_size:
+        return layer  # not the post-prefill layout we know how to shorten exactly
+    tail = size - (max_size - keep)
+    new.keys = _fresh([keys[..., :keep, :], keys[..., tail:, :]])
+    new.values = _fresh([values[..., :keep, :], values[..., tail:, :]])
+    new._idx = max_size
+    return new
+
+
+KINDS: dict[type, LayerKind] = {}
+
+
+def register_kind(cls: type, kind: LayerKind) -> None:
+    """Teach kvplugin one more exact cache class (the extension point for new kinds)."""
+    KINDS[cls] = kind
+
+
+register_kind(KVCache, LayerKind("KVCache", _exact_linear, _trim_plain,
+                                 growable=True, quantizable=True))
+register_kind(QuantizedKVCache, LayerKind("QuantizedKVCache", _exact_linear, _trim_quantized))
+register_kind(RotatingKVCache, LayerKind("RotatingKVCache", _exact_rotating, _trim_rotating))
+register_kind(PreallocatedRotatingKVCache,
+              LayerKind("PreallocatedRotatingKVCache", _exact_rotating, _trim_rotating))
+
+
+def is_exact(layer: Any) -> bool:
+    """True when trimming would not change ``layer`` (it holds no unused slots).
+
+    Layer kinds trim does not handle count as exact: there is nothing trim would do to them.
+    """
+    kind = KINDS.get(type(layer))
+    return kind is None or kind.exact(layer)
+
+
+def trim_layer(layer: Any) -> Any:
+    """One layer cut to its used tokens (lazy arrays); ``layer`` itself when nothing changes."""
+    if is_exact(layer):
+        return layer
+    return KINDS[type(layer)].trim(layer)
+
+
+def is_quantizable(layer: Any, group_size: int) -> bool:
+    """A non-empty layer the quantize codec may turn into ``QuantizedKVCache``."""
+    kind = KINDS.get(type(layer))
+    return (
+        kind is not None
+        and kind.quantizable
+        and layer.keys is not None
+        and layer.offset > 0
+        and layer.keys.shape[-1] % group_size == 0
+        and layer.values.shape[-1] % group_size == 0
+    )
+
+
+def with_headroom(cache: list, tokens: int | None = None) -> list:
+    """Give a reused entry's exact growable layers room for ``tokens`` more, one at a time.
+
+    Why: a trimmed entry has no free slot, so the first token after a reuse makes *every*
+    layer grow by concatenation inside one forward pass: old and new buffers of all layers
+    alive together, 2x the entry. Growing here, layer by layer with an ``mx.eval`` in
+    between, bounds the transient to the entry plus one layer's old buffer. ``tokens``
+    defaults to each layer's growth ``step`` (256 unless ``--kv-cache-step`` set it).
+    Mutates and returns ``cache``; the caller owns it. Other layer kinds: untouched.
+    """
+    for layer in cache:
+        kind = KINDS.get(type(layer))
+        if kind is None or not kind.growable or layer.keys is None:
+            continue
+        n = int(layer.offset)
+        room = int(tokens if tokens is not None else getattr(layer, "step", 256))
+        if room <= 0 or layer.keys.shape[2] - n >= room:
+            continue
+        grown = []
+        for old in (layer.keys, layer.values):
+            new = mx.zeros((*old.shape[:2], n + room, old.shape[3]), dtype=old.dtype)
+            new[..., :n, :] = old[..., :n, :]
+            grown.append(new)
+        mx.eval(grown)
+        layer.keys, layer.values = grown
+    return cache
+
+
+# ----------------------------------------------------------------------- layouts (isinstance)
+
+_SCALARS = (int, float, bool, str, type(None))
+_LAYOUTS = ("CacheList", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "KVCache",
+            "ConcatenateKVCache", "ArraysCache")
+
+# array-holding (and scalar) attributes each layout is known to have
+KNOWN_FIELDS = {
+    "KVCache": ("keys", "values", "offset"),
+    "ConcatenateKVCache": ("keys", "values", "offset"),
+    "QuantizedKVCache": ("keys", "values", "offset", "group_size", "bits"),
+    "RotatingKVCache": ("keys", "values", "offset", "keep", "max_size", "_idx"),
+    "ChunkedKVCache": ("keys", "values", "offset", "chunk_size", "start_position"),
+    "ArraysCache": ("cache", "left_padding", "lengths"),
+    "CacheList": ("caches",),
+}
+
+
+def layout_of(layer: Any) -> str | None:
+    """Name of the mlx-lm base class whose layout ``layer`` has (None: unknown)."""
+    for name in _LAYOUTS:
+        cls = getattr(_mlc, name, None)
+        if cls is not None and isinstance(layer, cls):
+            return name
+    return None
+
+
+def extra_scalars(layer: Any, layout: str) -> dict | None:
+    """Instance attributes beyond ``KNOWN_FIELDS[layout]`` (e.g. an instance ``step``).
+    None if any of them is not a plain scalar (then the layer is not portable)."""
+    known = KNOWN_FIELDS[layout]
+    extra = {}
+    for k, v in getattr(layer, "__dict__", {}).items():
+        if k in known:
+            continue
+        if not isinstance(v, _SCALARS):
+            return None
+        extra[k] = v
+    return extra
+
+
+def is_trimmable(cache: list) -> bool:
+    """True if every layer can be trimmed (mlx-lm ``can_trim_prompt_cache``)."""
+    try:
+        return bool(cache) and all(c.is_trimmable() for c in cache)
+    except Exception:
+        return False
+
+
+def _seq_prefix(x: Any, n: int) -> Any:
+    """Fresh arrays holding positions ``[:n]`` along axis -2 of x (array or list)."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(mx.array(a[..., :n, :]) for a in x)
+    return mx.array(x[..., :n, :])
+
+
+def _copy_layer(layer: Any, n: int) -> Any:
+    layout = layout_of(layer)
+    if layout is None or layout == "ArraysCache" or not layer.is_trimmable():
+        return None
+    extra = extra_scalars(layer, layout)
+    if extra is None:
+        return None
+    new = type(layer).__new__(type(layer))
+    if layout == "CacheList":
+        kids = [_copy_layer(c, n) for c in layer.caches]
+        if any(k is None for k in kids):
+            return None
+        new.__dict__.update(extra)
+        new.caches = type(layer.caches)(kids) if isinstance(layer.caches, tuple) else kids
+        return new
+    offset = layer.offset
+    if n > offset:
+        return None
+    new.__dict__.update(extra)
+    for f in KNOWN_FIELDS[layout]:
+        if f not in ("keys", "values"):
+            setattr(new, f, getattr(layer, f))
+    m = n
+    if layout == "ChunkedKVCache":
+        m = n - layer.start_position
+        if m < 0:
+            return None
+    elif layout == "RotatingKVCache":
+        if layer._idx != offset:  # not in temporal order
+            return None
+        new._idx = n
+    if layer.keys is None:
+        if n:
+            return None
+        new.keys = new.values = None
+    else:
+        new.keys = _seq_prefix(layer.keys, m)
+        new.values = _seq_prefix(layer.values, m)
+    new.offset = n
+    return new
+
+
+def can_copy_prefix(cache: list, n: int) -> bool:
+    """Cheap check whether :func:`copy_prefix` would succeed (no copying)."""
+
+    def ok(layer: Any) -> bool:
+        layout = layout_of(layer)
+        if layout is None or layout == "ArraysCache" or extra_scalars(layer, layout) is None:
+            return False
+        if not layer.is_trimmable():
+            return False
+        if layout == "CacheList":
+            return all(ok(c) for c in layer.caches)
+        if n > layer.offset:
+            return False
+        if layout == "ChunkedKVCache":
+            return n >= layer.start_position
+        if layout == "RotatingKVCache":
+            return layer._idx == layer.offset
+        return True
+
+    try:
+        return bool(cache) and n >= 1 and all(ok(c) for c in cache)
+    except Exception:
+        return False
+
+
+def copy_prefix(cache: list, n: int) -> list | None:
+    """A new entry holding the first ``n`` positions of ``cache`` in fresh, exact-size,
+    evaluated arrays (no buffer shared with ``cache``). None if some layer cannot be copied."""
+    try:
+        out = [_copy_layer(c, n) for c in cache]
+    except Exception:
+        log.debug("copy_prefix failed", exc_info=True)
+        return None
+    if not out or any(c is None for c in out):
+        return None
+    mx.eval(entry_arrays(out))
+    return out

@@ -1,0 +1,429 @@
+"""The engine's front desk, and the one place every kvplugin policy is decided.
+
+A host adapter only translates: at each host seam it calls one method of the process's
+:class:`KVService` (or one function below, for decisions needed before the service exists)
+and applies the answer in the host's own terms. What is decided here, once for every host:
+
+* configure / unconfigure: ``kvplugin_configure`` fires once per hook relay (historic), and
+  ``kvplugin_unconfigure`` fires at :meth:`KVService.close`, after the store is flushed and
+  closed;
+* the cold tier: asked of ``kvplugin_store_backend``, never under ``hot_cache_only``;
+* persistence across restarts (:meth:`~KVService.persist`, :meth:`~KVService.restore`),
+  through the same backend hook, on the host's directory;
+* what an entry is keyed by, trimmed and quantized to (:meth:`~KVService.give_back`);
+* batch growth steps (:meth:`~KVService.batch_steps`);
+* the model check (:func:`model_problem`) and the host options kvplugin cannot serve with
+  (:func:`host_option_conflict`), each with one message naming flag and variable;
+* the one ``active`` line (:meth:`~KVService.active_line`) and the report/stats.
+
+The hook relay (``pm.hook``) is passed in: the engine never imports the plugin manager.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvplugin.cache.layers import dense_nbytes, entry_nbytes, entry_tokens, layer_bits
+from kvplugin.cache.store import PromptStore
+from kvplugin.settings import KVPluginSettings, option_info
+
+__all__ = ["Counters", "KVService", "describe_entry", "host_option_conflict", "model_problem"]
+
+_UNLIMITED = 1 << 62
+
+
+@dataclass
+class Counters:
+    """kvplugin's own counters (the store's hits/misses/evictions come from the store)."""
+
+    entries_stored: int = 0
+    entries_quantized: int = 0
+    bytes_before: int = 0  # what the host would have stored (live cache, with slack)
+    bytes_stored: int = 0  # what kvplugin stored (trimmed, maybe quantized)
+    caches_made: int = 0
+    caches_bounded: int = 0
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_before - self.bytes_stored
+
+
+class _ShutdownOnlyTier:
+    """A cold tier written only when the host persists (shut-down), read at any time.
+
+    Why: a host that saves its prompt cache at shut-down and loads it at start-up (vllm-mlx)
+    expects evictions while serving to be discarded, as its own cache does; only the
+    shut-down save writes.
+    """
+
+    def __init__(self, tier: Any) -> None:
+        self.tier = tier
+        self.accept_puts = False
+
+    def put(self, model_key: Any, tokens: Sequence[int], cache: list) -> bool:
+        return self.accept_puts and bool(self.tier.put(model_key, tokens, cache))
+
+    def fetch(self, model_key: Any, tokens: Sequence[int]) -> Any:
+        return self.tier.fetch(model_key, tokens)
+
+    def probe(self, model_key: Any, tokens: Sequence[int]) -> int | None:
+        probe = getattr(self.tier, "probe", None)
+        return probe(model_key, tokens) if probe is not None else None
+
+    def close(self) -> None:
+        self.tier.close()
+
+    def __len__(self) -> int:
+        return len(self.tier)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tier.nbytes)
+
+
+def _configure_once(hook: Any, settings: KVPluginSettings, host: str) -> bool:
+    """Fire ``kvplugin_configure`` unless this relay already did (True if it fired now).
+
+    Historic: a plugin registered later still receives the call. Once per relay, i.e. once
+    per process for the process-wide manager, however many stores a process builds.
+    """
+    caller = hook.kvplugin_configure
+    if getattr(caller, "_call_history", None):  # pluggy keeps the historic calls made
+        return False
+    caller.call_historic(kwargs={"settings": settings, "host": host})
+    return True
+
+
+class KVService:
+    """Settings + hooks + store for one host process; every policy decision lives here."""
+
+    def __init__(
+        self,
+        settings: KVPluginSettings,
+        *,
+        host: str,
+        hook: Any,
+        max_bytes: int | None = None,
+        max_entries: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.host = host
+        self.hook = hook
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._owns_configure = _configure_once(hook, settings, host)
+        cold = None if settings.hot_cache_only else hook.kvplugin_store_backend(settings=settings)
+        self.store = PromptStore(
+            max_bytes=max_bytes if max_bytes is not None else _UNLIMITED,
+            max_entries=max_entries,
+            cold=cold,
+            on_evict=self._on_evict,
+        )
+
+    # -- cache construction -------------------------------------------------------------
+    def make_cache(self, model: Any, cache: list) -> list:
+        """The host just built a fresh per-request cache: bound / re-step it."""
+        shaped = self.hook.kvplugin_make_cache(model=model, cache=cache, settings=self.settings)
+        with self._lock:
+            self.counters.caches_made += 1
+            if shaped is not None and self.settings.max_kv_size is not None:
+                self.counters.caches_bounded += 1
+        return cache if shaped is None else shaped
+
+    def batch_steps(self) -> dict[str, int]:
+        """Class ``step`` of mlx-lm's batch caches, by class name (a host sets them).
+
+        Batched paths merge every request into ``BatchKVCache`` / ``BatchRotatingKVCache``,
+        which grow by their class ``step``: ``--kv-cache-step`` carries over, and a bounded
+        cache grows to the bound in one step (never beyond: ``min(step, max_size - prev)``).
+        """
+        steps: dict[str, int] = {}
+        if self.settings.kv_cache_step is not None:
+            steps["BatchKVCache"] = int(self.settings.kv_cache_step)
+        if self.settings.max_kv_size is not None:
+            steps["BatchRotatingKVCache"] = int(self.settings.max_kv_size)
+        return steps
+
+    # -- storing ----------------------------------------------------------------------------
+    def prepare_entry(self, cache: list, num_tokens: int) -> list:
+        """Trim and (per settings) quantize an entry before it is stored."""
+        before = entry_nbytes(cache)
+        trimmed = self.hook.kvplugin_trim_entry(cache=cache)
+        entry = cache if trimmed is None else trimmed
+        quantized = None
+        if self.settings.kv_cache_quantization:
+            quantized = self.hook.kvplugin_quantize_entry(
+                cache=entry, num_tokens=num_tokens, settings=self.settings
+            )
+        if quantized is not None:
+            entry = quantized
+        after = entry_nbytes(entry)
+        with self._lock:
+            self.counters.entries_stored += 1
+            self.counters.bytes_before += before
+            self.counters.bytes_stored += after
+            if quantized is not None:
+                self.counters.entries_quantized += 1
+        return entry
+
+    def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
+        """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
+        entry = self.prepare_entry(cache, len(tokens))
+        return self.store.insert(model_key, list(tokens), entry)
+
+    def give_back(self, model_key: str, tokens: Sequence[int], cache: list, *,
+                  min_tokens: int = 1) -> bool:
+        """A finished request's cache: store it keyed by exactly what it holds.
+
+        Hosts key an entry by the tokens they fed; a cache may hold fewer (an unreported
+        prefill) or more (an EOS fed but not returned). The key is cut, or the cache trimmed
+        when it is trimmable, rather than store an entry whose key lies about its contents:
+        a wrong key would hand one conversation's KV to another. False: not stored.
+        """
+        key = self.key_for_cache(cache, list(tokens))
+        if key is None or len(key) < min_tokens:
+            return False
+        return self.insert(model_key, key, cache)
+
+    @staticmethod
+    def key_for_cache(cache: list, tokens: list[int]) -> list[int] | None:
+        """The store key that matches what ``cache`` really holds, or ``None`` to skip."""
+        held = entry_tokens(cache)
+        if held == len(tokens):
+            return tokens
+        if held <= 0:
+            return None
+        if held < len(tokens):
+            return tokens[:held]
+        if all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
+            for c in cache:
+                c.trim(held - len(tokens))
+            return tokens
+        return None
+
+    # -- fetching -----------------------------------------------------------------------------
+    def fetch(self, model_key: str, tokens: Sequence[int]) -> tuple[list | None, int]:
+        """Move the best stored entry to the caller, restored to full precision.
+
+        Returns ``(cache, n)``: the cache covers the first ``n`` tokens of ``tokens`` (at
+        least one token is always left to process), or ``(None, 0)`` on a miss. Growable
+        layers get their room back one layer at a time (:func:`layers.with_headroom`).
+        """
+        from kvplugin.cache.layers import with_headroom
+
+        cache, n = self.store.fetch(model_key, list(tokens))
+        if cache is None:
+            return None, 0
+        return with_headroom(self.restore_precision(cache)), n
+
+    def restore_precision(self, cache: list) -> list:
+        restored = self.hook.kvplugin_dequantize_entry(cache=cache, settings=self.settings)
+        return cache if restored is None else restored
+
+    # -- persistence and shut-down ------------------------------------------------------------
+    def may_persist(self) -> bool:
+        """Whether anything of the prompt cache may reach a disk (not under hot_cache_only)."""
+        return not self.settings.hot_cache_only
+
+    def _tier_at(self, directory: Path) -> Any:
+        """The backend hook's cold tier on a host's persistence directory."""
+        settings = self.settings.model_copy(update={"ssd_cache_dir": Path(directory)})
+        return self.hook.kvplugin_store_backend(settings=settings)
+
+    def restore(self, directory: str | os.PathLike) -> int:
+        """A host's start-up load: the previous run's entries become a (read-only until
+        :meth:`persist`) cold tier, read lazily on the first hit. Returns how many."""
+        if not self.may_persist():
+            return 0
+        with self._lock:
+            if self.store.cold is None:
+                if not Path(directory).is_dir():
+                    return 0
+                tier = self._tier_at(Path(directory))
+                if tier is None:
+                    return 0
+                self.store.attach_cold(_ShutdownOnlyTier(tier))
+            cold = self.store.cold
+        try:
+            return len(cold)
+        except TypeError:
+            return 0
+
+    def persist(self, directory: str | os.PathLike) -> bool:
+        """A host's shut-down save: spill every hot entry to the cold tier (the configured
+        one, else one on ``directory``). True if an entry was written."""
+        if not self.may_persist():
+            return False
+        with self._lock:
+            if self.store.cold is None:
+                if len(self.store) == 0:
+                    return False
+                tier = self._tier_at(Path(directory))
+                if tier is None:
+                    return False
+                self.store.attach_cold(_ShutdownOnlyTier(tier))
+            cold = self.store.cold
+            if isinstance(cold, _ShutdownOnlyTier):
+                cold.accept_puts = True
+        try:
+            return self.store.flush()
+        finally:
+            if isinstance(cold, _ShutdownOnlyTier):
+                cold.accept_puts = False
+
+    def flush_configured(self) -> bool:
+        """Spill the hot entries to a configured cold tier (``--ssd-cache-dir``) at an engine
+        stop, so they survive a restart. Not to a persistence tier (that is :meth:`persist`)."""
+        if isinstance(self.store.cold, _ShutdownOnlyTier):
+            return False
+        return self.store.flush()
+
+    def close(self) -> None:
+        """Shut-down: close the store (and its cold tier), then ``kvplugin_unconfigure``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.store.close()
+        finally:
+            if self._owns_configure:
+                self.hook.kvplugin_unconfigure(settings=self.settings, host=self.host)
+
+    # -- reporting ----------------------------------------------------------------------------
+    def _on_evict(self, entry: Any) -> None:
+        self.hook.kvplugin_on_evict(entry=entry, settings=self.settings)
+
+    def stats(self, store_stats: Any = None) -> dict[str, Any]:
+        """All counters as one flat JSON-able dict (the store's and kvplugin's)."""
+        with self._lock:
+            out: dict[str, Any] = asdict(self.counters)
+            out["bytes_saved"] = self.counters.bytes_saved
+        store = asdict(store_stats if store_stats is not None else self.store.stats())
+        out.update({f"store_{k}": v for k, v in store.items()})
+        s = self.settings
+        out["quantization"] = (
+            {"bits": s.kv_cache_quantization_bits,
+             "group_size": s.kv_cache_quantization_group_size,
+             "min_tokens": s.kv_cache_min_quantize_tokens}
+            if s.kv_cache_quantization else None
+        )
+        out["host"] = self.host
+        out["hot_cache_only"] = s.hot_cache_only
+        out["max_kv_size"] = s.max_kv_size
+        return out
+
+    def report(self, **host_fields: Any) -> dict[str, Any]:
+        """:meth:`stats` plus every stored entry, from one consistent snapshot, plus the
+        host's own fields (``host_version``, ``mode``): what ``GET /kvplugin/stats`` serves."""
+        store_stats, entries = self.store.snapshot()
+        out = self.stats(store_stats)
+        out["max_bytes"] = self.store.max_bytes
+        out["max_entries"] = self.store.max_entries
+        described = []
+        for e in entries:
+            try:
+                described.append(describe_entry(e.model_key, e.tokens, e.cache, e.nbytes))
+            except Exception as exc:  # reporting must never fail a request
+                described.append({"error": f"{type(exc).__name__}: {exc}"})
+        out["entries"] = described
+        out.update(host_fields)
+        return out
+
+    def active_line(self, host_version: Any, *, stats_path: str, mode: str | None = None) -> str:
+        """The one start-up line every host says: what kvplugin does in this process."""
+        s, store = self.settings, self.store
+        if s.kv_cache_quantization:
+            quant = (f"{s.kv_cache_quantization_bits}-bit entries, group "
+                     f"{s.kv_cache_quantization_group_size}, from "
+                     f"{s.kv_cache_min_quantize_tokens} tokens")
+        else:
+            quant = "off"
+        budget = ("unlimited" if store.max_bytes >= _UNLIMITED
+                  else f"{store.max_bytes / 2**20:.0f} MiB")
+        entries = "unlimited" if store.max_entries is None else f"{store.max_entries} entries"
+        if s.hot_cache_only:
+            cold = "none (--hot-cache-only: evictions are discarded)"
+        elif store.cold is not None and s.ssd_cache_dir is not None:
+            cold = f"{s.ssd_cache_dir} (max {s.ssd_cache_max_gb:g} GB)"
+        elif store.cold is not None:
+            cold = type(store.cold).__name__
+        else:
+            cold = "none (evictions are discarded)"
+        bound = f"{s.max_kv_size} tokens" if s.max_kv_size is not None else "unbounded"
+        step = f", kv-cache-step {s.kv_cache_step}" if s.kv_cache_step is not None else ""
+        where = f" ({mode})" if mode else ""
+        return (f"active on {self.host} {host_version}{where} (prompt cache: {budget}, "
+                f"{entries}; quantization: {quant}; max-kv-size: {bound}{step}; cold tier: "
+                f"{cold}; stats: GET {stats_path})")
+
+
+# --------------------------------------------------------------------------- start-up checks
+
+_GROUP_FIELD = "kv_cache_quantization_group_size"
+
+
+def model_problem(model: Any, settings: KVPluginSettings | None,
+                  given_flags: Collection[str] = ()) -> str | None:
+    """Why kvplugin cannot serve ``model`` with ``settings`` (one message), or ``None``.
+
+    ``model`` is a loaded model or a ``{"args": config.json}`` dict (checked before the
+    weights load). ``given_flags``: setting fields given as flags, so the message names
+    where the bad value came from (flag, variable or default).
+    """
+    if settings is None or not settings.kv_cache_quantization or model is None:
+        return None
+    from kvplugin.cache.quantize import validate_group_size_for_model
+
+    group = settings.kv_cache_quantization_group_size
+    try:
+        validate_group_size_for_model(model, group)
+    except ValueError as exc:
+        info = option_info(_GROUP_FIELD)
+        if _GROUP_FIELD in given_flags:
+            got = f"{info.flag} {group}"
+        elif os.environ.get(info.env):
+            got = f"{info.env}={os.environ[info.env]}"
+        else:
+            got = f"the default {group}"
+        return (
+            f"kvplugin: invalid value for {info.flag} / {info.env}: got {got} ({exc}); "
+            f"the server cannot quantize this model's KV cache"
+        )
+    return None
+
+
+def host_option_conflict(settings: KVPluginSettings, host_options: Mapping[str, Any]) -> str | None:
+    """A host option kvplugin's settings cannot be served with (one message), or ``None``.
+
+    ``host_options``: the host's parsed values by name (``kv_bits``, ``draft_model``).
+    """
+    if settings.max_kv_size is None:
+        return None
+    if host_options.get("kv_bits") is not None:
+        return ("kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
+                "mlx-lm's --kv-bits: mlx-lm cannot quantize a rotating (bounded) cache")
+    if host_options.get("draft_model"):
+        return ("kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
+                "--draft-model: speculative decoding trims the cache, and a bounded cache "
+                "cannot be trimmed once it is full")
+    return None
+
+
+def describe_entry(model_key: Any, tokens: Sequence[int], cache: list, nbytes: int) -> dict:
+    """One stored entry as JSON-able data (``/kvplugin/stats`` of every host)."""
+    return {
+        "model": str(model_key),
+        "tokens": len(tokens),
+        "nbytes": int(nbytes),
+        "dense_nbytes": sum(dense_nbytes(layer) for layer in cache),
+        "layers": [type(layer).__name__ for layer in cache],
+        "bits": [layer_bits(layer) for layer in cache],
+        "offsets": sorted({int(getattr(layer, "offset", 0) or 0) for layer in cache}),
+    }

@@ -1,0 +1,33 @@
+"""Default quantize codec: mlx-lm's ``QuantizedKVCache`` at the configured bits and group."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvplugin.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from kvplugin.settings import KVPluginSettings
+
+
+@hookimpl(trylast=True)
+def kvplugin_quantize_entry(
+    cache: list, num_tokens: int, settings: KVPluginSettings
+) -> list | None:
+    from kvplugin.cache import quantize
+
+    if num_tokens < settings.kv_cache_min_quantize_tokens:
+        return None
+    result = quantize.quantize_entry(
+        cache,
+        bits=settings.kv_cache_quantization_bits,
+        group_size=settings.kv_cache_quantization_group_size,
+    )
+    return result.cache if result.quantized else None
+
+
+@hookimpl(trylast=True)
+def kvplugin_dequantize_entry(cache: list, settings: KVPluginSettings) -> list | None:
+    from kvplugin.cache import quantize
+
+    return quantize.dequantize_entry(cache)

@@ -1,0 +1,235 @@
+"""The session owns every policy; each hook fires through the session the hosts call.
+
+The direct calls of each hook are in test_builtin_hooks.py; these go through
+``KVService`` (what both host adapters call at their seams), with real mlx-lm caches.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from kvplugin import plugins
+from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
+from kvplugin.cache.session import KVService, host_option_conflict, model_problem
+from kvplugin.hookspecs import hookimpl
+from kvplugin.settings import SettingsError, resolve_settings
+
+H, D = 2, 64
+
+
+def filled(tokens: int, layers: int = 2) -> list:
+    cache = [KVCache() for _ in range(layers)]
+    for c in cache:
+        k = mx.random.normal((1, H, tokens, D)).astype(mx.float16)
+        c.update_and_fetch(k, k)
+    mx.eval([c.keys for c in cache])
+    return cache
+
+
+class Recorder:
+    """Records every hook call (name, host-visible arguments) and declines each one."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    @hookimpl
+    def kvplugin_configure(self, settings, host):
+        self.calls.append(("configure", host))
+
+    @hookimpl
+    def kvplugin_unconfigure(self, settings, host):
+        self.calls.append(("unconfigure", host))
+
+    @hookimpl
+    def kvplugin_make_cache(self, model, cache, settings):
+        self.calls.append(("make_cache", len(cache)))
+
+    @hookimpl
+    def kvplugin_trim_entry(self, cache):
+        self.calls.append(("trim", len(cache)))
+
+    @hookimpl
+    def kvplugin_quantize_entry(self, cache, num_tokens, settings):
+        self.calls.append(("quantize", num_tokens))
+
+    @hookimpl
+    def kvplugin_dequantize_entry(self, cache, settings):
+        self.calls.append(("dequantize", len(cache)))
+
+    @hookimpl
+    def kvplugin_store_backend(self, settings):
+        self.calls.append(("store_backend", settings.ssd_cache_dir))
+
+    @hookimpl
+    def kvplugin_on_evict(self, entry, settings):
+        self.calls.append(("on_evict", len(entry.tokens)))
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+@pytest.fixture
+def pm():
+    return plugins.create_plugin_manager(load_entry_points=False)
+
+
+@pytest.fixture
+def rec(pm):
+    r = Recorder()
+    pm.register(r)
+    return r
+
+
+def session(pm, **flags) -> KVService:
+    return KVService(resolve_settings(flags), host="test", hook=pm.hook, max_bytes=1 << 40)
+
+
+# -- every hook, fired through the session -----------------------------------------------
+
+
+def test_configure_and_store_backend_fire_when_the_session_is_built(pm, rec):
+    session(pm)
+    assert rec.calls == [("configure", "test"), ("store_backend", None)]
+
+
+def test_make_cache_fires_and_its_result_is_used(pm, rec):
+    out = session(pm, max_kv_size=64).make_cache(None, [KVCache(), KVCache()])
+    assert ("make_cache", 2) in rec.calls
+    assert all(isinstance(c, PreallocatedRotatingKVCache) and c.max_size == 64 for c in out)
+
+
+def test_trim_and_quantize_fire_on_insert_and_dequantize_on_fetch(pm, rec):
+    s = session(pm, kv_cache_quantization=True, kv_cache_min_quantize_tokens=0)
+    assert s.insert("m", list(range(40)), filled(40))
+    assert rec.names()[-2:] == ["trim", "quantize"] and rec.calls[-1] == ("quantize", 40)
+    assert isinstance(s.store.entries()[0].cache[0], QuantizedKVCache)  # the default answered
+    cache, n = s.fetch("m", list(range(40)) + [7])
+    assert n == 40 and rec.calls[-1] == ("dequantize", 2)
+    assert type(cache[0]) is KVCache
+
+
+def test_on_evict_fires_when_the_budget_evicts(pm, rec):
+    s = KVService(resolve_settings(), host="test", hook=pm.hook, max_entries=1)
+    s.insert("m", list(range(10)), filled(10))
+    s.insert("m", list(range(100, 120)), filled(20))
+    assert ("on_evict", 10) in rec.calls
+
+
+def test_unconfigure_fires_at_close_after_the_store_is_closed(pm, rec, tmp_path):
+    closed = []
+
+    class Tier:
+        def put(self, model_key, tokens, cache):
+            return True
+
+        def fetch(self, model_key, tokens):
+            return None
+
+        def close(self):
+            closed.append(list(rec.names()))
+
+    class Backend:
+        @hookimpl
+        def kvplugin_store_backend(self, settings):
+            return Tier()
+
+    pm.register(Backend())
+    s = session(pm)
+    s.close()
+    s.close()  # once
+    assert closed == [["configure"]]  # closed (the later plugin answered) before unconfigure
+    assert rec.names()[-1] == "unconfigure" and rec.names().count("unconfigure") == 1
+
+
+# -- policies -----------------------------------------------------------------------------
+
+
+def test_configure_fires_once_per_relay(pm, rec):
+    a, b = session(pm), session(pm)
+    assert rec.names().count("configure") == 1
+    b.close()  # the session that did not configure does not unconfigure either
+    assert "unconfigure" not in rec.names()
+    a.close()
+    assert rec.names().count("unconfigure") == 1
+
+
+def test_plugin_settings_error_in_configure_propagates(pm):
+    class Refuse:
+        @hookimpl
+        def kvplugin_configure(self, settings, host):
+            raise SettingsError("refused")
+
+    pm.register(Refuse())
+    with pytest.raises(SettingsError, match="refused"):
+        session(pm)
+
+
+def test_hot_cache_only_never_asks_the_backend(pm, rec, tmp_path):
+    s = session(pm, hot_cache_only=True)
+    assert "store_backend" not in rec.names()
+    assert s.store.cold is None
+    s.insert("m", list(range(10)), filled(10))
+    assert s.persist(tmp_path / "p") is False and s.restore(tmp_path) == 0
+    assert "store_backend" not in rec.names() and not any(tmp_path.iterdir())
+
+
+def test_persistence_goes_through_the_backend_hook(pm, rec, tmp_path):
+    directory = tmp_path / "persist"
+    s = session(pm)
+    assert s.store.cold is None
+    s.insert("m", list(range(30)), filled(30))
+    assert s.persist(directory) is True
+    assert ("store_backend", directory) in rec.calls  # the default storage plugin answered
+    s.close()
+    again = session(pm)
+    assert again.restore(directory) == 1
+    cache, n = again.fetch("m", list(range(30)) + [5])
+    assert n == 30 and cache[0].offset == 30
+
+
+def test_persistence_tier_refuses_puts_while_serving(pm, tmp_path):
+    directory = tmp_path / "persist"
+    directory.mkdir()
+    s = KVService(resolve_settings(), host="test", hook=pm.hook, max_entries=1)
+    assert s.restore(directory) == 0  # attached, empty
+    s.insert("m", list(range(10)), filled(10))
+    s.insert("m", list(range(100, 110)), filled(10))  # evicts the first: discarded
+    assert s.stats()["store_discarded"] == 1 and s.stats()["store_spills"] == 0
+    assert s.persist(directory) is True and s.stats()["store_spills"] == 1
+
+
+def test_batch_steps():
+    pm = plugins.create_plugin_manager(load_entry_points=False)
+    assert session(pm).batch_steps() == {}
+    assert session(pm, kv_cache_step=512, max_kv_size=128).batch_steps() == {
+        "BatchKVCache": 512, "BatchRotatingKVCache": 128}
+
+
+def test_host_option_conflicts():
+    bounded = resolve_settings({"max_kv_size": 64})
+    assert "--kv-bits" in host_option_conflict(bounded, {"kv_bits": 8})
+    assert "--draft-model" in host_option_conflict(bounded, {"draft_model": "x"})
+    assert host_option_conflict(bounded, {}) is None
+    assert host_option_conflict(resolve_settings(), {"kv_bits": 8}) is None
+
+
+def test_model_problem_is_one_message_naming_flag_env_and_source():
+    model = {"args": {"hidden_size": 256, "num_attention_heads": 4}}  # head dim 64
+    s = resolve_settings({"kv_cache_quantization": True,
+                          "kv_cache_quantization_group_size": 128})
+    msg = model_problem(model, s, {"kv_cache_quantization_group_size"})
+    assert "got --kv-cache-quantization-group-size 128" in msg
+    assert "KVPLUGIN_KV_CACHE_QUANTIZATION_GROUP_SIZE" in msg
+    assert "the default 128" in model_problem(model, s)
+    assert model_problem(model, resolve_settings({"kv_cache_quantization": True})) is None
+
+
+def test_active_line_says_what_is_on(pm):
+    s = KVService(resolve_settings({"kv_cache_quantization": True, "max_kv_size": 256}),
+                  host="mlx-lm", hook=pm.hook, max_bytes=64 << 20, max_entries=5)
+    line = s.active_line("1.2.3", stats_path="/kvplugin/stats", mode="batching")
+    assert line.startswith("active on mlx-lm 1.2.3 (batching)")
+    assert "64 MiB, 5 entries" in line and "8-bit entries, group 64" in line
+    assert "max-kv-size: 256 tokens" in line and "GET /kvplugin/stats" in line
