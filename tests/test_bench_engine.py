@@ -80,7 +80,10 @@ def test_move_beats_deepcopy(report):
     stock = reuse["resend/stock"]["first_update_peak_ratio"]
     moved = reuse["resend/kvplugin"]["first_update_peak_ratio"]
     assert stock == pytest.approx(2.0, abs=0.05)  # deepcopy + first write = a second copy
-    assert moved > 1.0  # the trimmed entry gets its growth room back at the fetch
+    # Was `moved > 1.0` while the fetch gave growth room back up front; measured on a real
+    # server that room was a whole extra entry, so it is gone: the first update grows each
+    # layer as the forward pass reaches it, and the peak stays at the entry itself.
+    assert moved <= 1.05
     for scenario in ("resend", "next_turn"):  # in bytes, kvplugin's reuse peaks lower
         assert (reuse[f"{scenario}/kvplugin"]["peak_bytes"]
                 < reuse[f"{scenario}/stock"]["peak_bytes"])

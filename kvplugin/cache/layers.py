@@ -37,7 +37,7 @@ __all__ = [
     "KINDS", "KNOWN_FIELDS", "LayerKind", "can_copy_prefix", "copy_prefix", "dense_nbytes",
     "entry_arrays", "entry_nbytes", "entry_tokens", "extra_scalars", "is_exact",
     "is_quantizable", "is_trimmable", "layer_bits", "layout_of", "register_kind",
-    "trim_layer", "with_headroom",
+    "trim_layer",
 ]
 
 log = logging.getLogger("kvplugin.cache")
@@ -131,7 +131,7 @@ class LayerKind:
 
     ``exact(layer)``: holds no unused slots. ``trim(layer)``: a copy holding exactly the used
     tokens, lazy (``layer`` itself when it cannot be shortened safely). ``growable``:
-    :func:`with_headroom` may give it room. ``quantizable``: the quantize codec may turn it
+    it grows by concatenation. ``quantizable``: the quantize codec may turn it
     into a ``QuantizedKVCache``.
     """
 
@@ -275,34 +275,6 @@ def is_quantizable(layer: Any, group_size: int) -> bool:
     )
 
 
-def with_headroom(cache: list, tokens: int | None = None) -> list:
-    """Give a reused entry's exact growable layers room for ``tokens`` more, one at a time.
-
-    Why: a trimmed entry has no free slot, so the first token after a reuse makes *every*
-    layer grow by concatenation inside one forward pass: old and new buffers of all layers
-    alive together, 2x the entry. Growing here, layer by layer with an ``mx.eval`` in
-    between, bounds the transient to the entry plus one layer's old buffer. ``tokens``
-    defaults to each layer's growth ``step`` (256 unless ``--kv-cache-step`` set it).
-    Mutates and returns ``cache``; the caller owns it. Other layer kinds: untouched.
-    """
-    for layer in cache:
-        kind = KINDS.get(type(layer))
-        if kind is None or not kind.growable or layer.keys is None:
-            continue
-        n = int(layer.offset)
-        room = int(tokens if tokens is not None else getattr(layer, "step", 256))
-        if room <= 0 or layer.keys.shape[2] - n >= room:
-            continue
-        grown = []
-        for old in (layer.keys, layer.values):
-            new = mx.zeros((*old.shape[:2], n + room, old.shape[3]), dtype=old.dtype)
-            new[..., :n, :] = old[..., :n, :]
-            grown.append(new)
-        mx.eval(grown)
-        layer.keys, layer.values = grown
-    return cache
-
-
 # ----------------------------------------------------------------------- layouts (isinstance)
 
 _SCALARS = (int, float, bool, str, type(None))
@@ -352,14 +324,16 @@ def is_trimmable(cache: list) -> bool:
         return False
 
 
-def _seq_prefix(x: Any, n: int) -> Any:
-    """Fresh arrays holding positions ``[:n]`` along axis -2 of x (array or list)."""
+def _seq_prefix(x: Any, n: int, share: bool = False) -> Any:
+    """Positions ``[:n]`` along axis -2 of x (array or list): fresh arrays, or views of x's
+    buffer when ``share``."""
+    cut = (lambda a: a[..., :n, :]) if share else (lambda a: mx.array(a[..., :n, :]))
     if isinstance(x, (list, tuple)):
-        return type(x)(mx.array(a[..., :n, :]) for a in x)
-    return mx.array(x[..., :n, :])
+        return type(x)(cut(a) for a in x)
+    return cut(x)
 
 
-def _copy_layer(layer: Any, n: int) -> Any:
+def _copy_layer(layer: Any, n: int, share: bool = False) -> Any:
     layout = layout_of(layer)
     if layout is None or layout == "ArraysCache" or not layer.is_trimmable():
         return None
@@ -368,7 +342,7 @@ def _copy_layer(layer: Any, n: int) -> Any:
         return None
     new = type(layer).__new__(type(layer))
     if layout == "CacheList":
-        kids = [_copy_layer(c, n) for c in layer.caches]
+        kids = [_copy_layer(c, n, share) for c in layer.caches]
         if any(k is None for k in kids):
             return None
         new.__dict__.update(extra)
@@ -395,8 +369,8 @@ def _copy_layer(layer: Any, n: int) -> Any:
             return None
         new.keys = new.values = None
     else:
-        new.keys = _seq_prefix(layer.keys, m)
-        new.values = _seq_prefix(layer.values, m)
+        new.keys = _seq_prefix(layer.keys, m, share)
+        new.values = _seq_prefix(layer.values, m, share)
     new.offset = n
     return new
 
@@ -426,15 +400,24 @@ def can_copy_prefix(cache: list, n: int) -> bool:
         return False
 
 
-def copy_prefix(cache: list, n: int) -> list | None:
-    """A new entry holding the first ``n`` positions of ``cache`` in fresh, exact-size,
-    evaluated arrays (no buffer shared with ``cache``). None if some layer cannot be copied."""
+def copy_prefix(cache: list, n: int, *, share: bool = False) -> list | None:
+    """A new entry holding the first ``n`` positions of ``cache``. None if some layer cannot
+    be copied.
+
+    By default in fresh, exact-size, evaluated arrays (no buffer shared with ``cache``): for a
+    source that is about to be dropped (a cold-tier file), so its big buffer is released.
+    ``share=True`` gives views of ``cache``'s buffers instead, which cost no memory: for a
+    source that stays stored anyway (a hot donor). MLX arrays are values, so whoever writes
+    to a view gets a new buffer and the donor is never changed; and an exact-size view has
+    no free slot, so the first write grows into a new buffer rather than copying the view.
+    """
     try:
-        out = [_copy_layer(c, n) for c in cache]
+        out = [_copy_layer(c, n, share) for c in cache]
     except Exception:
         log.debug("copy_prefix failed", exc_info=True)
         return None
     if not out or any(c is None for c in out):
         return None
-    mx.eval(entry_arrays(out))
+    if not share:
+        mx.eval(entry_arrays(out))
     return out

@@ -146,31 +146,30 @@ def _quantize_layer(layer: KVCache, bits: int, group_size: int) -> QuantizedKVCa
     return q
 
 
-def quantize_entry(cache: list, *, bits: int, group_size: int) -> QuantizeResult:
+def quantize_entry(
+    cache: list, *, bits: int, group_size: int, consume: bool = False
+) -> QuantizeResult:
     """Quantize the plain ``KVCache`` layers of an entry to exact-size ``QuantizedKVCache``.
 
     Only the ``offset`` used slots are quantized (no separate trim needed). Everything else is
     left as it is and counted in ``skipped``: ``RotatingKVCache`` (mlx-lm cannot quantize it),
     ``ArraysCache``/recurrent state, layers already ``QuantizedKVCache`` (e.g. from mlx-lm's
     ``--kv-bits``; never quantized twice), empty layers, layers whose key/value last dimension
-    is not divisible by ``group_size``, and unknown kinds. The new arrays are evaluated here so
-    that dropping the fp16 entry afterwards really frees it.
+    is not divisible by ``group_size``, and unknown kinds. Each new layer is evaluated as soon as
+    it is made; with ``consume`` it also replaces the original in ``cache`` right away, so the
+    full-precision entry is freed layer by layer (transient: one layer, not one entry).
     """
     validate_bits_group(bits, group_size)
-    out: list = []
-    fresh: list[mx.array] = []
+    out = cache if consume else list(cache)
     quantized = skipped = 0
-    for layer in cache:
+    for i, layer in enumerate(cache):
         if is_quantizable(layer, group_size):
             q = _quantize_layer(layer, bits, group_size)
-            fresh.extend(q.keys + q.values)
-            out.append(q)
+            mx.eval(q.keys + q.values)
+            out[i] = q
             quantized += 1
         else:
-            out.append(layer)
             skipped += 1
-    if fresh:
-        mx.eval(fresh)
     return QuantizeResult(cache=out, quantized=quantized, skipped=skipped)
 
 
@@ -193,18 +192,18 @@ def _dequantize(parts: Any, n: int, group_size: int, bits: int, dtype: Any) -> m
     return out if out.dtype == dtype else out.astype(dtype)
 
 
-def dequantize_entry(cache: list) -> list:
+def dequantize_entry(cache: list, *, consume: bool = False) -> list:
     """``QuantizedKVCache`` layers back to exact-size ``KVCache`` in their original dtype.
 
     Other layers are returned unchanged (same objects). An empty quantized layer becomes an
     empty ``KVCache``. The caller decides when to call this (e.g. only for entries it quantized:
-    layers from mlx-lm's ``--kv-bits`` are ``QuantizedKVCache`` too).
+    layers from mlx-lm's ``--kv-bits`` are ``QuantizedKVCache`` too). Each layer is evaluated
+    as it is made; with ``consume`` it replaces the quantized layer in ``cache`` at once, so
+    the transient is one layer rather than the whole quantized entry.
     """
-    out: list = []
-    fresh: list[mx.array] = []
-    for layer in cache:
+    out = cache if consume else list(cache)
+    for i, layer in enumerate(cache):
         if type(layer) is not QuantizedKVCache:
-            out.append(layer)
             continue
         kv = KVCache()
         if "step" in vars(layer):
@@ -214,10 +213,8 @@ def dequantize_entry(cache: list) -> list:
             kv.keys = _dequantize(layer.keys, n, layer.group_size, layer.bits, dtype)
             kv.values = _dequantize(layer.values, n, layer.group_size, layer.bits, dtype)
             kv.offset = n
-            fresh += [kv.keys, kv.values]
-        out.append(kv)
-    if fresh:
-        mx.eval(fresh)
+            mx.eval(kv.keys, kv.values)
+        out[i] = kv
     return out
 
 

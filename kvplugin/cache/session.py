@@ -175,6 +175,11 @@ class KVService:
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
         entry = self.prepare_entry(cache, len(tokens))
+        if entry is not cache:
+            # The host may keep its list object a while (mlx-lm's loop holds the last
+            # response): drop its references now so a replaced full-precision original is
+            # freed at insert, not at the next request.
+            cache.clear()
         return self.store.insert(model_key, list(tokens), entry)
 
     def give_back(self, model_key: str, tokens: Sequence[int], cache: list, *,
@@ -209,18 +214,20 @@ class KVService:
 
     # -- fetching -----------------------------------------------------------------------------
     def fetch(self, model_key: str, tokens: Sequence[int]) -> tuple[list | None, int]:
-        """Move the best stored entry to the caller, restored to full precision.
+        """The best stored entry for ``tokens``, restored to full precision, owned by the caller.
 
         Returns ``(cache, n)``: the cache covers the first ``n`` tokens of ``tokens`` (at
-        least one token is always left to process), or ``(None, 0)`` on a miss. Growable
-        layers get their room back one layer at a time (:func:`layers.with_headroom`).
+        least one token is always left to process), or ``(None, 0)`` on a miss. Nothing is
+        allocated here for an fp16 entry: a moved entry is the stored arrays themselves and a
+        shared prefix is a view of its donor. Growth room is not added either: measured on a
+        real server, the batched path copies the cache into its batch anyway, and a model's
+        forward pass frees each layer's old buffer as it grows, so room given here was a
+        whole extra entry at the peak for nothing.
         """
-        from kvplugin.cache.layers import with_headroom
-
         cache, n = self.store.fetch(model_key, list(tokens))
         if cache is None:
             return None, 0
-        return with_headroom(self.restore_precision(cache)), n
+        return self.restore_precision(cache), n
 
     def restore_precision(self, cache: list) -> list:
         restored = self.hook.kvplugin_dequantize_entry(cache=cache, settings=self.settings)

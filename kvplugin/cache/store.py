@@ -304,7 +304,7 @@ class PromptStore:
                     layer.trim(extra)
             self._c["moved"] += 1
             return entry.cache, n
-        cache = copy_prefix(entry.cache, n)
+        cache = copy_prefix(entry.cache, n, share=True)  # views: the donor stays stored
         if cache is None:
             return None
         # The donor's recency is left alone: the caller stores its own entry (holding the

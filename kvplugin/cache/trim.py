@@ -7,9 +7,12 @@ alive too, so trimming makes a fresh copy and evaluates it, after which dropping
 really frees the big buffer. How each layer class is cut is the layer vocabulary's business
 (:func:`kvplugin.cache.layers.trim_layer`); this module applies it to an entry.
 
-Trim never mutates its input: changed layers are shallow copies (same class, every
-version-specific attribute such as an instance ``step`` carried over) whose arrays are
-replaced. Unchanged layers are returned as the same objects.
+Changed layers are shallow copies (same class, every version-specific attribute such as an
+instance ``step`` carried over) whose arrays are replaced; unchanged layers are returned as the
+same objects. By default the input list is left alone. ``consume=True`` (what the session uses:
+a stored entry is the store's to change) replaces each layer in the input list as soon as its
+trimmed copy is evaluated, so the oversized original is freed layer by layer and the transient
+is one layer, not the whole entry.
 """
 
 from __future__ import annotations
@@ -21,15 +24,18 @@ from kvplugin.cache.layers import entry_arrays, trim_layer
 __all__ = ["trim_entry"]
 
 
-def trim_entry(cache: list) -> list:
-    """Return a new list whose layers each hold exactly their used tokens.
+def trim_entry(cache: list, *, consume: bool = False) -> list:
+    """Return a list whose layers each hold exactly their used tokens (``cache`` itself, changed
+    in place, when ``consume``; a new list otherwise).
 
     Exact layers are the same objects; trimmed ones are new objects of the same class. The new
     arrays are evaluated here, so that once the caller drops the original entry its oversized
     buffers are really released (a lazy copy would keep its source alive until evaluated).
     """
-    out = [trim_layer(layer) for layer in cache]
-    fresh = [a for new, old in zip(out, cache) if new is not old for a in entry_arrays(new)]
-    if fresh:
-        mx.eval(fresh)
+    out = cache if consume else list(cache)
+    for i, layer in enumerate(cache):
+        new = trim_layer(layer)
+        if new is not layer:
+            mx.eval(entry_arrays(new))
+            out[i] = new  # with consume, the original layer's buffers can go now
     return out

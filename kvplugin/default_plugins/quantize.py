@@ -22,6 +22,7 @@ def kvplugin_quantize_entry(
         cache,
         bits=settings.kv_cache_quantization_bits,
         group_size=settings.kv_cache_quantization_group_size,
+        consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None
 
@@ -30,4 +31,4 @@ def kvplugin_quantize_entry(
 def kvplugin_dequantize_entry(cache: list, settings: KVPluginSettings) -> list | None:
     from kvplugin.cache import quantize
 
-    return quantize.dequantize_entry(cache)
+    return quantize.dequantize_entry(cache, consume=True)  # a fetched entry is the caller's

@@ -26,6 +26,10 @@ Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted):
 ``BatchKVCache.step`` / ``BatchRotatingKVCache.step``
     The batched path re-merges every cache into these classes, which grow by their class
     ``step``; set to what ``KVService.batch_steps`` decides when the service starts.
+``BatchKVCache.merge``
+    Replaced by :func:`kvplugin.hosts.mlx_lm_batch.adopting_merge`: a batch of one plain
+    ``KVCache`` adopts its arrays instead of copying them (the copy was a whole entry of extra
+    memory on every reuse); anything else goes to mlx-lm's own ``merge``.
 ``mlx_lm.models.cache.PreallocatedRotatingKVCache``
     Added (not replaced), so ``load_prompt_cache`` can read entries saved with kvplugin's
     bounded cache class.
@@ -184,6 +188,11 @@ class MlxLmAdapter(HostAdapter):
             patches.replace(gen_mod, "make_prompt_cache", wrapped_mpc)
 
         patches.replace(server, "LRUPromptCache", KVPluginPromptCache)
+        from kvplugin.hosts.mlx_lm_batch import adopting_merge
+
+        batch_cls = cache_mod.BatchKVCache
+        patches.replace(batch_cls, "merge",
+                        adopting_merge(vars(batch_cls)["merge"].__func__, cache_mod.KVCache))
         from kvplugin.cache.prealloc import register_with_mlx_lm
 
         register_with_mlx_lm(patches)

@@ -32,10 +32,9 @@ def judge_goals(res: dict[str, Any]) -> list[Goal]:
                          if p * MiB > GOALS["transient_on_reuse"] * kv["entry_bytes"]), "?")
             note += (
                 f". Missed at '{grow}': the entry is stored trimmed to exactly its tokens, so it "
-                "must grow before new tokens fit; the fetch grows it one layer at a time "
-                "(with_headroom), which bounds the peak to what is held afterwards (entry + "
-                "256 slots of room) plus one layer's old buffer, 1/L of the entry: the goal "
-                "needs L >= ~50 layers at this size"
+                "must grow before new tokens fit; each layer grows into a new buffer as the "
+                "forward pass reaches it, so the peak is the entry plus the room added and "
+                "one layer's old buffer"
             )
             unt = reuse.get(f"{scen}/move_untrimmed")
             if unt:

@@ -110,7 +110,8 @@ def kv_bytes_per_token(model_dir: Path) -> int:
     return 2 * layers * kv_heads * head_dim * itemsize
 
 
-def stream_chat(url: str, messages: list[dict], max_tokens: int, model: str | None) -> TurnResult:
+def stream_chat(url: str, messages: list[dict], max_tokens: int, model: str | None,
+                seed: int | None = None) -> TurnResult:
     """One streamed, greedy chat request: time to the first content chunk, decode rate."""
     body: dict[str, Any] = {
         "messages": messages,
@@ -121,6 +122,8 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, model: str | No
     }
     if model is not None:
         body["model"] = model
+    if seed is not None:  # mlx-lm serves seeded requests on its sequential path
+        body["seed"] = seed
     request = urllib.request.Request(
         url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -166,6 +169,7 @@ def run_one(
     prefill_step: int,
     workdir: Path,
     env: dict[str, str] | None = None,
+    seed: int | None = None,
 ) -> RunResult:
     """Start one traced server, hold the conversation, stop it, read its trace."""
     from kvplugin.tools.hostproc import ServerProcess, free_port
@@ -186,7 +190,7 @@ def run_one(
         messages = [{"role": "system", "content": system_prompt}]
         for i in range(turns):
             messages.append({"role": "user", "content": f"Question {i + 1}: what does the text say?"})
-            turn = stream_chat(server.url, messages, max_tokens, server.model)
+            turn = stream_chat(server.url, messages, max_tokens, server.model, seed)
             result.turns.append(turn)
             messages.append({"role": "assistant", "content": turn.text})
         time.sleep(0.3)  # let the recorder take a last sample after the final insert
@@ -285,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prefill-step-size", type=int, default=256)
+    p.add_argument("--sequential", action="store_true",
+                   help="send a seed with every request: mlx-lm's sequential path")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -303,10 +309,11 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(run_one(
                     model_dir, CONFIGS[key], key, system, turns=args.turns,
                     max_tokens=args.max_tokens, prefill_step=args.prefill_step_size,
-                    workdir=Path(tmp), env=env,
+                    workdir=Path(tmp), env=env, seed=0 if args.sequential else None,
                 ))
         title = (f"{model_name}: one conversation, {results[0].turns[0].prompt_tokens}-token "
                  f"prompt, {args.turns} turns, --prefill-step-size {args.prefill_step_size}"
+                 f"{', sequential path (seeded requests)' if args.sequential else ''}"
                  f"{' (OpenBLAS preloaded for every server)' if env else ''}")
         print(table(results, title))
         stem = f"server_memory_{Path(model_name).name}"
