@@ -1,0 +1,1 @@
+"""Tooling outside the runtime import path: demo, benchmarks, model builders, HTTP client."""

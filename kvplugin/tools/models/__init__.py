@@ -1,0 +1,1 @@
+"""Offline model builders used by the demo, benchmarks and tests."""
