@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -150,8 +151,6 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def forward(built) -> dict:
-    import os
-
     text = "\n\n".join(realtext.paragraphs()[1:3])  # ~320 tokens of real English
     env = {**os.environ, **blas.preload_env()}
     proc = subprocess.run([sys.executable, "-c", _FORWARD_SCRIPT, str(built), text],
@@ -186,7 +185,8 @@ def test_float16_build(tmp_path, built):
     w32 = mx.load(str(built / "model.safetensors"))["model.layers.3.self_attn.q_proj.weight"]
     assert w16.dtype == mx.float16
     assert mx.allclose(w16.astype(mx.float32), w32, rtol=1e-3, atol=1e-4).item()
-    assert smollm2.is_complete(half, dtype="float16") and not smollm2.is_complete(half, dtype="float32")
+    assert smollm2.is_complete(half, dtype="float16")
+    assert not smollm2.is_complete(half, dtype="float32")
 
 
 def test_complete_build_is_reused_and_damage_is_rebuilt(built):

@@ -71,6 +71,12 @@ def _optional(meta: Mapping[str, Any], key: str) -> Any:
     return _scalar(meta, key) if key in meta else None
 
 
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not
+    9.999999747378752e-06): 7 significant digits read back as the same float32."""
+    return float(f"{float(value):.7g}")
+
+
 def llama_config(meta: Mapping[str, Any], *, dtype: str = "float32") -> dict[str, Any]:
     """``config.json`` for mlx-lm's llama from GGUF metadata (architecture ``llama`` only).
 
@@ -96,9 +102,8 @@ def llama_config(meta: Mapping[str, Any], *, dtype: str = "float32") -> dict[str
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        # float32 metadata: round to the shortest decimal that reads back as the same float32
-        "rms_norm_eps": float(f"{float(_scalar(meta, 'llama.attention.layer_norm_rms_epsilon')):.7g}"),
-        "rope_theta": float(f"{float(_optional(meta, 'llama.rope.freq_base') or 10000.0):.7g}"),
+        "rms_norm_eps": _f32(_scalar(meta, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(_optional(meta, "llama.rope.freq_base") or 10000.0),
         "rope_traditional": False,
         "vocab_size": int(vocab),
         "max_position_embeddings": int(_scalar(meta, "llama.context_length")),

