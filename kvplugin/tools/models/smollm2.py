@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvplugin.tinymodel import build_lock, kvplugin_home
+from kvplugin.tools.models.tiny import build_lock, kvplugin_home
 from kvplugin.tools.models import gguf
 
 __all__ = [
