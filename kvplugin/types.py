@@ -26,6 +26,9 @@ class StoreEntry:
     tokens: tuple  # tuple[int, ...]
     cache: list
     nbytes: int
+    #: How many leading tokens were the request's prompt (the rest was generated), when the
+    #: session could tell; lets a later turn of the same conversation supersede this entry.
+    prompt_len: int | None = None
 
 
 @runtime_checkable

@@ -165,6 +165,35 @@ class PrefixTrie:
         prefixes, *_ = self.search(key)
         return [(n, v) for n, v in prefixes if n < len(key)]
 
+    def branches(self, key: tuple):
+        """[(common, value)] of stored keys that diverge from ``key`` (neither a prefix of it
+        nor an extension), with the number of leading tokens each shares with ``key``."""
+        out: list = []
+
+        def collect(node: _Node, common: int) -> None:
+            stack = [node]
+            while stack:
+                x = stack.pop()
+                if x.value is not None:
+                    out.append((common, x.value))
+                stack.extend(x.children.values())
+
+        node, pos = self.root, 0
+        while pos < len(key):
+            for first, child in node.children.items():
+                if first != key[pos]:
+                    collect(child, pos)
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            m = _common(child.edge, key, pos)
+            if m < len(child.edge):
+                if pos + m < len(key):
+                    collect(child, pos + m)
+                break
+            node, pos = child, pos + m
+        return out
+
 
 def choose(trie: PrefixTrie, key: tuple, *, trimmable, copyable):
     """Pick the best candidate for a request (shared by hot and cold tiers).
@@ -257,6 +286,11 @@ class KeyIndex:
         """[(length, value)] of stored strict prefixes of ``key``."""
         trie = self._tries.get(namespace)
         return trie.prefixes_of(key) if trie is not None else []
+
+    def branches(self, namespace: Hashable, key: tuple) -> list:
+        """:meth:`PrefixTrie.branches` within one namespace."""
+        trie = self._tries.get(namespace)
+        return trie.branches(key) if trie is not None else []
 
     def choose(self, namespace: Hashable, key: tuple, *, trimmable: Callable[[Any], bool],
                copyable: Callable[[Any, int], bool]) -> tuple | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,6 +119,9 @@ class KVService:
         self._lock = threading.Lock()
         self._closed = False
         self._owns_configure = _configure_once(hook, settings, host)
+        # (length, hash) of the prompts of recent fetches: a finished cache whose key starts
+        # with one of them holds that prompt plus generated tokens (see _prompt_len).
+        self._recent_prompts: deque[tuple[int, int]] = deque(maxlen=64)
         cold = None if settings.hot_cache_only else hook.kvplugin_store_backend(settings=settings)
         self.store = PromptStore(
             max_bytes=max_bytes if max_bytes is not None else _UNLIMITED,
@@ -174,13 +178,31 @@ class KVService:
 
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
+        prompt_len = self._prompt_len(tokens)
         entry = self.prepare_entry(cache, len(tokens))
         if entry is not cache:
             # The host may keep its list object a while (mlx-lm's loop holds the last
             # response): drop its references now so a replaced full-precision original is
             # freed at insert, not at the next request.
             cache.clear()
-        return self.store.insert(model_key, list(tokens), entry)
+        return self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
+
+    def _prompt_len(self, tokens: Sequence[int]) -> int | None:
+        """How many of ``tokens`` were a recent request's prompt (the rest was generated).
+
+        Hosts give back a finished cache keyed by prompt + generated tokens without saying
+        where the prompt ended; every request's prompt went through :meth:`fetch` first, so
+        the longest recent prompt that ``tokens`` starts with tells. The store uses it to let
+        the conversation's next turn supersede this entry.
+        """
+        key = tuple(tokens)
+        with self._lock:
+            recent = list(self._recent_prompts)
+        best = None
+        for length, digest in recent:
+            if length < len(key) and (best is None or length > best) and hash(key[:length]) == digest:
+                best = length
+        return best
 
     def give_back(self, model_key: str, tokens: Sequence[int], cache: list, *,
                   min_tokens: int = 1) -> bool:
@@ -224,6 +246,8 @@ class KVService:
         forward pass frees each layer's old buffer as it grows, so room given here was a
         whole extra entry at the peak for nothing.
         """
+        with self._lock:
+            self._recent_prompts.append((len(tokens), hash(tuple(tokens))))
         cache, n = self.store.fetch(model_key, list(tokens))
         if cache is None:
             return None, 0

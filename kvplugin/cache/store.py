@@ -41,7 +41,12 @@ Hot tier
 * Inserting a key that is already stored replaces the old entry (``replaced``).
   Inserting a *trimmable* entry removes stored entries whose tokens are a strict
   prefix of it on the same model (``superseded``): the longer entry can serve them
-  by a prefix copy (mlx-lm ``LRUPromptCache`` does the same).  Inserting a cache
+  by a prefix copy (mlx-lm ``LRUPromptCache`` does the same). It also removes an entry
+  whose whole *prompt* it continues (``prompt_len`` known, the rest of that entry was
+  generated): that is the same conversation's previous turn, whose reply came back
+  re-tokenized differently in the next prompt. No request can want that generated tail
+  that the new entry cannot serve (a text API re-tokenizes it), so keeping both would hold
+  the conversation twice.  Inserting a cache
   whose first layer object is already stored under another key moves it to the new
   key (one object is never held by two entries).  None of these is an eviction:
   no ``on_evict``, no spill.
@@ -329,7 +334,8 @@ class PromptStore:
     # ---------------------------------------------------------------- API
 
     def insert(
-        self, model_key: str, tokens: Sequence[int], cache: list, *, nbytes: int | None = None
+        self, model_key: str, tokens: Sequence[int], cache: list, *, nbytes: int | None = None,
+        prompt_len: int | None = None,
     ) -> bool:
         """Store ``cache`` (ownership passes to the store) under ``tokens``.
 
@@ -343,7 +349,7 @@ class PromptStore:
                 self._c["rejected"] += 1
             return False
         price = entry_nbytes(cache) if nbytes is None else int(nbytes)
-        entry = StoreEntry(model_key, key, cache, price)
+        entry = StoreEntry(model_key, key, cache, price, prompt_len)
         evicted: list = []
         with self._lock:
             hot = price <= self.max_bytes and self.max_entries != 0
@@ -364,6 +370,10 @@ class PromptStore:
                         if prev.cache[0] is not cache[0]:
                             self._c["superseded"] += 1
                         self._remove(prev)
+                    for common, prev in self._index.branches(model_key, key):
+                        if prev.prompt_len is not None and common >= prev.prompt_len:
+                            self._c["superseded"] += 1
+                            self._remove(prev)
                 n_entries = self.max_entries if self.max_entries is not None else 1 << 62
                 evicted = self._evict_until(self.max_bytes, n_entries, keep=entry)
         self._dispose(evicted)

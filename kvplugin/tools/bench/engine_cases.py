@@ -358,8 +358,13 @@ def _reuse_one(geo: Geometry, n_entry: int, scenario: str, path: str, turn: int,
 
     def forward(k, v):
         def go():
-            outs = _update_all(cache, k, v)
-            mx.eval(outs)  # every layer in one evaluation, as in a forward pass
+            # Layer after layer, as a model's forward pass reaches them (layer i + 1 needs
+            # layer i's output), so a layer's old buffer is released once it has grown. One
+            # evaluation of every layer's update at once would keep all old buffers until the
+            # end: a 2x transient no real server shows (measured with `kvplugin bench
+            # --server --memory`), which made the up-front growth room look necessary.
+            for c in cache:
+                mx.eval(c.update_and_fetch(k, v))
         return go
 
     if rest == 1:

@@ -187,6 +187,10 @@ def run_one(
     result = RunResult(key, config.label, 0)
     with ServerProcess(cmd, port=port, env=server_env, workdir=workdir / key,
                        startup_timeout=300, name=key) as server:
+        # Warm-up: a short unrelated request, so lazily loaded weights and the first graph are
+        # in memory before the baseline is taken (then growth is the conversation's alone).
+        stream_chat(server.url, [{"role": "user", "content": "Hello."}], 2, server.model, seed)
+        time.sleep(0.1)
         messages = [{"role": "system", "content": system_prompt}]
         for i in range(turns):
             messages.append({"role": "user", "content": f"Question {i + 1}: what does the text say?"})
