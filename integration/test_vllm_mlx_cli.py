@@ -112,15 +112,28 @@ def test_group_size_not_dividing_head_dim_stops_the_server(tiny_model, extra, en
     [
         (("--kv-cache-quantization-bits", "7"), None, "--kv-cache-quantization-bits"),
         ((), {"KVPLUGIN_MAX_KV_SIZE": "-5"}, "KVPLUGIN_MAX_KV_SIZE"),
-        (("--hot-cache-only", "--ssd-cache-dir", "/tmp"), None, "--hot-cache-only"),
     ],
-    ids=["bits-flag", "max-kv-env", "hot-only-vs-ssd"],
+    ids=["bits-flag", "max-kv-env"],
 )
 def test_bad_values_exit_2_before_loading(tiny_model, extra, env, needle):
     out = _serve(tiny_model, *extra, env=env)
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert needle in out.stderr, out.stderr
     assert "Loading model" not in out.stdout
+
+
+def test_hot_cache_only_wins_over_an_ssd_dir(start_server, tmp_path):
+    # Was the "hot-only-vs-ssd" case of test_bad_values_exit_2_before_loading: since the
+    # settings let --hot-cache-only win over an SSD directory (one notice, no error), the
+    # server starts, says so once, and writes nothing to that directory.
+    ssd = tmp_path / "ssd"
+    srv = start_server(vllm_mlx_serve_cmd, "--hot-cache-only", "--ssd-cache-dir", str(ssd))
+    answer = srv.chat("Tell me about the bridge.", max_tokens=4)
+    assert answer["choices"][0]["message"]["content"] is not None
+    lines = [ln for ln in srv.log_text().splitlines() if "--hot-cache-only wins" in ln]
+    assert len(lines) == 1 and str(ssd) in lines[0], srv.log_tail()
+    srv.stop()
+    assert not ssd.exists() or not any(ssd.rglob("*"))
 
 
 def test_unsupported_mode_is_announced_in_one_line(start_server):

@@ -1,0 +1,317 @@
+"""``--continuous-batching``: the scheduler's prefix cache is backed by kvplugin's session.
+
+``vllm_mlx.scheduler.MemoryAwarePrefixCache`` (a by-name import used only by
+``Scheduler.__init__``) is replaced by a subclass whose store/fetch/persistence go through
+the process's ``KVService`` and which keeps the private fields the scheduler reads
+(``_entries``, ``_current_memory``, ``_last_match_type``, ``_last_matched_key``). Budget: the
+host's ``MemoryCacheConfig.compute_memory_limit()`` (``--cache-memory-mb`` /
+``--cache-memory-percent``). ``Scheduler.ensure_ssd_tier`` becomes a no-op for it (kvplugin's
+cold tier is ``--ssd-cache-dir``). ``--max-kv-size`` keeps using the host's own bounding; the
+batch caches it feeds grow by the class ``step`` the session decides.
+
+Persistence: the host's shut-down save / start-up load of the prefix cache are
+``KVService.persist``/``restore`` on kvplugin's own subdirectory. When the session allows no
+persistence (``--hot-cache-only``), ``BatchedEngine``'s save/load are no-ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+from kvplugin.hosts.base import PatchRegistry, require_attrs
+from kvplugin.hosts.vllm_mlx.session_calls import persist_dir
+from kvplugin.log import say
+
+_MB = 1024 * 1024
+
+
+def check_seams(scheduler: Any, memory_cache: Any, batched: Any, mlc: Any) -> None:
+    """Fail closed: every seam of this mode present, with the expected shape."""
+    require_attrs(scheduler, "MemoryAwarePrefixCache", "Scheduler")
+    require_attrs(scheduler.Scheduler, "ensure_ssd_tier")
+    if scheduler.MemoryAwarePrefixCache is not memory_cache.MemoryAwarePrefixCache:
+        raise TypeError("vllm_mlx.scheduler.MemoryAwarePrefixCache is not memory_cache's")
+    require_attrs(memory_cache, "MemoryCacheConfig", "_detach_cache_for_storage")
+    require_attrs(memory_cache.MemoryCacheConfig, "compute_memory_limit")
+    require_attrs(batched, "BatchedEngine")
+    require_attrs(batched.BatchedEngine, "save_cache_to_disk", "load_cache_from_disk")
+    require_attrs(mlc, "BatchKVCache", "BatchRotatingKVCache", "make_prompt_cache")
+
+
+def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: Any,
+            batched: Any, mlc: Any) -> None:
+    """Patch this mode's seams (after :func:`check_seams`; the session exists)."""
+    rt = adapter.runtime
+    cls = bind_prefix_cache(memory_cache, adapter)
+    patches.replace(scheduler, "MemoryAwarePrefixCache", cls)
+    sched = scheduler.Scheduler
+    patches.replace(sched, "ensure_ssd_tier", wrap_ensure_ssd_tier(sched.ensure_ssd_tier))
+    if rt.mode == "batching":  # the batch caches every request is merged into
+        for name, step in rt.service.batch_steps().items():
+            patches.replace(getattr(mlc, name), "step", step)
+    if not rt.service.may_persist():
+        be = batched.BatchedEngine
+        patches.replace(be, "save_cache_to_disk", _no_save)
+        patches.replace(be, "load_cache_from_disk", _no_load)
+        for name, fn in (
+            ("_save_cache_to_disk_on_owner", _no_save_async),
+            ("_load_cache_from_disk_on_owner", _no_load_async),
+        ):
+            if hasattr(be, name):
+                patches.replace(be, name, fn)
+
+
+def bind_prefix_cache(memory_cache: Any, adapter: Any) -> type:
+    """``KVPrefixCache`` bound to the host's base class and to ``adapter``.
+
+    Why a class is built here at all: the scheduler constructs the prefix cache itself, as
+    ``MemoryAwarePrefixCache(model, config)``, and other host code checks
+    ``isinstance(..., MemoryAwarePrefixCache)``, so what is patched in must be a subclass of
+    vllm-mlx's class, which exists only once ``vllm_mlx.memory_cache`` is imported (stage 2).
+    Everything it does is the module-level :class:`KVPrefixCache`; the built subclass only
+    adds the host base and the class attributes the scheduler's constructor call cannot pass.
+    """
+    host_cls = memory_cache.MemoryAwarePrefixCache
+    return type("KVPrefixCache", (KVPrefixCache, host_cls), {
+        "__module__": __name__,
+        "_host_memory_cache": memory_cache,
+        "_adapter": adapter,
+    })
+
+
+class _Sized:
+    """Stands in for ``MemoryAwarePrefixCache._entries`` (the scheduler only takes ``len``)."""
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+
+class KVPrefixCache:
+    """``MemoryAwarePrefixCache`` whose entries live in kvplugin's store (a mixin: use
+    :func:`bind_prefix_cache`, which puts the host class behind it).
+
+    * ``store`` keys an entry by the tokens its cache really holds (``offset``), trims it,
+      quantizes it per kvplugin's settings and hands it to the store (no extra copy of
+      layers trim/quantize already copied; others are detached like the host does).
+    * ``fetch`` is the store's longest-prefix lookup: a prefix entry is *moved* to the
+      request (no copy; the batch merge is the only copy), a shared prefix of another
+      conversation's entry is copied; at least one token is always left to prefill, so
+      the scheduler never hits its exact-match re-prefill path. Quantized entries come
+      back dequantized.
+    * Below the host's ``min_prefix_tokens`` (128) nothing is stored or fetched, as stock.
+    """
+
+    kvplugin = True
+    _host_memory_cache: Any = None  # vllm_mlx.memory_cache (set by bind_prefix_cache)
+    _adapter: Any = None  # the VllmMlxAdapter whose runtime holds the session
+
+    def __init__(self, model: Any, config: Any = None) -> None:  # no super(): no host state
+        rt = self._adapter.runtime
+        self._config = config or self._host_memory_cache.MemoryCacheConfig()
+        self._service = rt.service
+        self._key = rt.model_key(model)
+        self._min_tokens = int(getattr(self._config, "min_prefix_tokens", 1) or 1)
+        self._last_match_type: str | None = None
+        self._last_matched_key: tuple | None = None
+        self._ssd_tier = None
+        self._model_id = id(model)
+        self._memory_lock = threading.RLock()
+        self._rejections = 0
+        if rt.settings is not None and rt.settings.kv_cache_quantization:
+            self._adapter.check_model(model, hard=True)
+
+    # -- what the scheduler reads directly -------------------------------------------
+    @property
+    def _entries(self) -> _Sized:
+        return _Sized(self)
+
+    @property
+    def _current_memory(self) -> int:
+        return self._service.store.nbytes
+
+    @property
+    def _max_memory(self) -> int:
+        return self._service.store.max_bytes
+
+    def __len__(self) -> int:
+        return len(self._service.store)
+
+    def __contains__(self, tokens: Any) -> bool:
+        return False  # the store has no lookup without taking the entry
+
+    # -- fetch / store -----------------------------------------------------------------
+    def fetch(self, tokens: list[int]) -> tuple[list | None, list[int]]:
+        self._last_matched_key = None
+        if not tokens or len(tokens) < self._min_tokens:
+            self._last_match_type = "miss"
+            return None, tokens
+        try:
+            cache, n = self._service.fetch(self._key, tokens)
+        except Exception as exc:
+            say(f"prefix-cache fetch failed ({type(exc).__name__}: {exc})", key="fetch-failed")
+            cache, n = None, 0
+        if cache is None:
+            self._last_match_type = "miss"
+            return None, tokens
+        eval_entry(cache)
+        self._last_match_type = "prefix"
+        self._last_matched_key = tuple(tokens[:n])
+        return cache, list(tokens[n:])
+
+    def store(self, tokens: list[int], cache: list, evict_prefixes: bool = True) -> bool:
+        prepared = self.prepare_store(tokens, cache)
+        return prepared is not None and self.commit_prepared(prepared)
+
+    def prepare_store(self, tokens: list[int], cache: list, auxiliary: Any = None) -> Any:
+        if auxiliary or not tokens or not cache:
+            return None
+        try:
+            from kvplugin.cache.layers import entry_tokens
+
+            held = entry_tokens(cache)
+            if held > len(tokens) or held < self._min_tokens:
+                return None
+            entry = self._service.prepare_entry(list(cache), held)
+            entry = detach_shared_layers(entry, cache, self._host_memory_cache)
+            return (tuple(tokens[:held]), entry)
+        except Exception as exc:
+            self._rejections += 1
+            say(f"prefix-cache store failed ({type(exc).__name__}: {exc})", key="store-failed")
+            return None
+
+    def commit_prepared(self, entry: Any, evict_prefixes: bool = True, *, commit_lock: Any = None,
+                        commit_guard: Any = None) -> bool:
+        if entry is None:
+            return False
+        if commit_guard is not None and not commit_guard():
+            return False
+        key, cache = entry
+        ok = self._service.store.insert(self._key, list(key), cache)
+        if not ok:
+            self._rejections += 1
+        return ok
+
+    def clone_for_replay(self, cache: list) -> list | None:
+        try:
+            return self._host_memory_cache._detach_cache_for_storage(cache)
+        except Exception:
+            return None
+
+    def fetch_exact_auxiliary(self, tokens: list[int]) -> None:
+        return None
+
+    def remove(self, tokens: list[int], *, include_ssd: bool = False) -> bool:
+        return False  # fetched entries are already out of the store; others expire by LRU
+
+    def clear(self) -> None:
+        self._service.store.drop_all()  # drop, don't spill
+
+    # -- stats -------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, Any]:
+        s = self._service.store.stats()
+        total = s.hits + s.misses
+        limit = self._service.store.max_bytes
+        return {
+            "hits": s.hits,
+            "misses": s.misses,
+            "hit_rate": round(s.hits / total, 4) if total else 0.0,
+            "evictions": s.evictions,
+            "tokens_saved": s.tokens_reused,
+            "current_memory_mb": round(s.bytes / _MB, 2),
+            "max_memory_mb": round(limit / _MB, 2),
+            "memory_utilization": round(s.bytes / limit, 4) if limit else 0.0,
+            "entry_count": s.entries,
+            "store_rejections": s.rejected + self._rejections,
+            "backend": "kvplugin",
+        }
+
+    def reset_stats(self) -> None:
+        return None
+
+    @property
+    def memory_usage_mb(self) -> float:
+        return self._service.store.nbytes / _MB
+
+    @property
+    def memory_limit_mb(self) -> float:
+        return self._service.store.max_bytes / _MB
+
+    # -- the host's SSD tier is not used (kvplugin's cold tier is) ----------------------
+    def try_reserve_memory(self, nbytes: int) -> bool:
+        return False
+
+    def release_reserved_memory(self, nbytes: int) -> None:
+        return None
+
+    def set_ssd_tier(self, ssd_tier: Any) -> None:
+        self._ssd_tier = None
+
+    def check_ssd(self, tokens: list[int]) -> None:
+        return None
+
+    # -- persistence ---------------------------------------------------------------------
+    def save_to_disk(self, cache_dir: str) -> bool:
+        return self._service.persist(persist_dir(cache_dir))
+
+    def load_from_disk(self, cache_dir: str) -> int:
+        return self._service.restore(persist_dir(cache_dir))
+
+
+def eval_entry(cache: list) -> None:
+    """Evaluate a fetched entry here (a dequantized one is lazy) so no graph crosses threads."""
+    import mlx.core as mx
+
+    from kvplugin.cache.layers import entry_arrays
+
+    arrays = entry_arrays(cache)
+    if arrays:
+        mx.eval(arrays)
+
+
+def detach_shared_layers(entry: list, source: list, memory_cache: Any) -> list:
+    """Layers trim/quantize returned unchanged may still view the live batch: copy those."""
+    same = [i for i, (a, b) in enumerate(zip(entry, source)) if a is b]
+    if not same:
+        return entry
+    detached = memory_cache._detach_cache_for_storage([entry[i] for i in same])
+    out = list(entry)
+    for i, layer in zip(same, detached):
+        out[i] = layer
+    return out
+
+
+def wrap_ensure_ssd_tier(original: Any) -> Any:
+    @functools.wraps(original)
+    def ensure_ssd_tier(self, *args, **kwargs):
+        if getattr(getattr(self, "memory_aware_cache", None), "kvplugin", False):
+            return None  # kvplugin's store has its own cold tier (--ssd-cache-dir)
+        return original(self, *args, **kwargs)
+
+    return ensure_ssd_tier
+
+
+# -- BatchedEngine's save/load when the session allows no persistence (--hot-cache-only) ---
+
+
+def _no_save(self: Any, cache_dir: str) -> bool:
+    return False
+
+
+def _no_load(self: Any, cache_dir: str) -> int:
+    return 0
+
+
+async def _no_save_async(self: Any, cache_dir: str) -> bool:
+    return False
+
+
+async def _no_load_async(self: Any, cache_dir: str) -> int:
+    return 0

@@ -1,0 +1,148 @@
+"""kvplugin's numbers on vllm-mlx's HTTP surface: ``/metrics`` and ``GET /kvplugin/stats``.
+
+* A Prometheus collector with kvplugin's counters is registered on the host's ``/metrics``
+  registry (``--enable-metrics``) when vllm-mlx initialises it (``MetricsCollector.
+  _init_prometheus``), and unregistered again on uninstall.
+* ``GET /kvplugin/stats`` returns the session's report (counters plus stored entries, the
+  shape every host serves) with ``host_version`` and ``mode``.
+
+Both read the session from the adapter's runtime at request time.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvplugin.hosts.base import STATS_PATH, PatchRegistry, require_attrs
+from kvplugin.log import say
+
+#: (metric name without ``kvplugin_``, help, key of ``KVService.stats()``)
+COUNTERS = (
+    ("entries_stored", "Prompt-cache entries kvplugin prepared for storage.", "entries_stored"),
+    ("entries_quantized", "Entries stored quantized.", "entries_quantized"),
+    ("bytes_saved", "Bytes saved by trimming and quantization (live size - stored size).",
+     "bytes_saved"),
+    ("hits", "Prompt-cache lookups that reused a stored prefix.", "store_hits"),
+    ("misses", "Prompt-cache lookups without a usable prefix.", "store_misses"),
+    ("evictions", "Entries evicted from the hot tier.", "store_evictions"),
+    ("spills", "Evicted entries written to the cold (SSD) tier.", "store_spills"),
+    ("cold_hits", "Hits served from the cold (SSD) tier.", "store_cold_hits"),
+    ("discarded", "Evicted entries dropped (no cold tier, or it refused).", "store_discarded"),
+    ("tokens_reused", "Prompt tokens served from the cache.", "store_tokens_reused"),
+)
+GAUGES = (
+    ("entries", "Entries in the hot tier.", "store_entries"),
+    ("bytes", "Bytes held by the hot tier.", "store_bytes"),
+    ("cold_entries", "Entries in the cold tier (-1: none).", "store_cold_entries"),
+)
+
+
+def check_seams(metrics: Any, server: Any) -> None:
+    """Fail closed: the metrics initialiser and a mutable route list exist."""
+    require_attrs(metrics, "MetricsCollector")
+    require_attrs(metrics.MetricsCollector, "_init_prometheus")
+    require_attrs(server, "app")
+    router = getattr(server.app, "router", None)
+    if not isinstance(getattr(router, "routes", None), list) or "routes" not in vars(router):
+        raise TypeError("vllm_mlx.server.app.router.routes is not a list")
+
+
+def install(patches: PatchRegistry, adapter: Any, metrics: Any, server: Any) -> None:
+    """Patch ``/metrics`` registration and add the stats route (after :func:`check_seams`)."""
+    mc = metrics.MetricsCollector
+    patches.replace(mc, "_init_prometheus", wrap_init_prometheus(mc._init_prometheus, adapter))
+    register_collector(getattr(metrics, "metrics", None), adapter)  # already initialised (rare)
+    router = server.app.router
+    patches.replace(router, "routes", [*router.routes, stats_route(adapter)])
+
+
+class KVCollector:
+    """Prometheus collector: ``kvplugin_*`` counters from ``KVService.stats()``."""
+
+    def __init__(self, runtime_of: Callable[[], Any]) -> None:
+        self._runtime_of = runtime_of  # the adapter's current runtime, read at scrape time
+
+    def describe(self) -> list:
+        return list(families({}))
+
+    def collect(self) -> list:
+        service = self._runtime_of().service
+        return list(families(service.stats() if service is not None else {}))
+
+
+def families(stats: dict) -> Iterator[Any]:
+    """One metric family per counter and gauge; a sample only for the keys ``stats`` has."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, text, key in COUNTERS:
+        fam = CounterMetricFamily(f"kvplugin_{name}", text)
+        if key in stats:
+            fam.add_metric([], float(stats[key]))
+        yield fam
+    for name, text, key in GAUGES:
+        gauge = GaugeMetricFamily(f"kvplugin_{name}", text)
+        if key in stats:
+            gauge.add_metric([], float(stats[key]))
+        yield gauge
+
+
+def register_collector(collector_owner: Any, adapter: Any) -> None:
+    """Register one :class:`KVCollector` on the owner's registry (once per registry)."""
+    prom = getattr(collector_owner, "_prom", None)
+    if not isinstance(prom, dict) or "registry" not in prom:
+        return
+    registry = prom["registry"]
+    rt = adapter.runtime
+    if any(reg is registry for reg, _ in rt.collectors):
+        return
+    collector = KVCollector(lambda: adapter.runtime)
+    registry.register(collector)
+    rt.collectors.append((registry, collector))
+
+
+def unregister_collectors(runtime: Any) -> None:
+    """Take every collector this runtime registered off its registry (uninstall)."""
+    while runtime.collectors:
+        registry, collector = runtime.collectors.pop()
+        try:
+            registry.unregister(collector)
+        except Exception:  # already gone (the host replaced its registry)
+            pass
+
+
+def wrap_init_prometheus(original: Callable, adapter: Any) -> Callable:
+    @functools.wraps(original)
+    def _init_prometheus(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        try:
+            register_collector(self, adapter)
+        except Exception as exc:
+            say(f"kvplugin counters not on /metrics ({type(exc).__name__}: {exc})", key="metrics")
+        return result
+
+    return _init_prometheus
+
+
+def stats_handler(adapter: Any) -> Callable[[], Any]:
+    """The coroutine that answers ``GET /kvplugin/stats`` (kept apart from FastAPI so it can
+    be exercised without it)."""
+
+    async def kvplugin_stats() -> dict:
+        service = adapter.runtime.service
+        if service is None:
+            return {"host": "vllm-mlx", "active": False}
+        return adapter.stats_report(service)
+
+    return kvplugin_stats
+
+
+def stats_route(adapter: Any) -> Any:
+    """A FastAPI route for ``GET /kvplugin/stats`` (hidden from the host's OpenAPI schema)."""
+    from fastapi import APIRouter
+
+    router = APIRouter()
+    router.add_api_route(STATS_PATH, stats_handler(adapter), methods=["GET"],
+                         include_in_schema=False)
+    return router.routes[0]
