@@ -33,7 +33,8 @@ from kvplugin.cache.layers import dense_nbytes, entry_nbytes, entry_tokens, laye
 from kvplugin.cache.store import PromptStore
 from kvplugin.settings import KVPluginSettings, option_info
 
-__all__ = ["Counters", "KVService", "describe_entry", "host_option_conflict", "model_problem"]
+__all__ = ["Counters", "KVService", "describe_entry", "host_option_conflict", "model_problem",
+           "persist_dir", "store_key", "unpatched_problem"]
 
 _UNLIMITED = 1 << 62
 
@@ -129,6 +130,10 @@ class KVService:
             cold=cold,
             on_evict=self._on_evict,
         )
+
+    def model_key(self, fingerprint: str) -> str:
+        """The store's model key for a checkpoint ``fingerprint`` served by this process."""
+        return store_key(self.host, fingerprint, self.settings)
 
     # -- cache construction -------------------------------------------------------------
     def make_cache(self, model: Any, cache: list) -> list:
@@ -458,3 +463,41 @@ def describe_entry(model_key: Any, tokens: Sequence[int], cache: list, nbytes: i
         "bits": [layer_bits(layer) for layer in cache],
         "offsets": sorted({int(getattr(layer, "offset", 0) or 0) for layer in cache}),
     }
+
+
+# --------------------------------------------------------------------------- host fallbacks
+
+def store_key(host: str, fingerprint: str, settings: KVPluginSettings | None) -> str:
+    """The store's model key for a checkpoint ``fingerprint`` served under ``settings``.
+
+    The host and the bound are part of it: an entry built under another ``--max-kv-size`` (a
+    rotating cache that dropped tokens, or an unbounded one) must not be served to this
+    process, even from a cold tier that outlives the process or is shared.
+    """
+    bound = (settings.max_kv_size if settings is not None else None) or 0
+    return f"{host}|{fingerprint}|max_kv={bound}"
+
+
+#: kvplugin's files go under this subdirectory of a host's persistence directory.
+PERSIST_SUBDIR = "kvplugin"
+
+
+def persist_dir(host_dir: str | os.PathLike) -> Path:
+    """Where kvplugin persists under a host's prefix-cache directory: a subdirectory of its
+    own, so kvplugin's files never mix with the host's (each would misread the other's)."""
+    return Path(host_dir).expanduser() / PERSIST_SUBDIR
+
+
+def unpatched_problem(settings: Any, host: str) -> str | None:
+    """Why the host must not start when kvplugin could not patch its serving path, or None.
+
+    Serving stock is acceptable (the user gets the host's own cache) except under
+    ``--hot-cache-only``: a stock host would write its prompt cache to disk, the one thing
+    that flag promises will not happen. Fail closed.
+    """
+    if settings is not None and settings.hot_cache_only:
+        return (
+            "kvplugin: --hot-cache-only (KVPLUGIN_HOT_CACHE_ONLY) cannot be honoured "
+            f"because kvplugin could not patch {host} (see above); not starting"
+        )
+    return None

@@ -113,7 +113,7 @@ class KVPluginPromptCache:
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
         try:
-            cache, n = self.service.fetch(model_fingerprint(model), tokens)
+            cache, n = self.service.fetch(self.service.model_key(model_fingerprint(model)), tokens)
         except Exception as exc:  # a request must never fail because of the store
             say(f"prompt cache fetch failed ({type(exc).__name__}: {exc}); serving "
                 "without a cached prefix", key="mlx-lm:fetch-failed")
@@ -131,7 +131,8 @@ class KVPluginPromptCache:
         cache_type: str = "assistant",
     ) -> None:
         try:
-            self.service.give_back(model_fingerprint(model), list(tokens), prompt_cache)
+            self.service.give_back(self.service.model_key(model_fingerprint(model)), list(tokens),
+                                   prompt_cache)
         except Exception as exc:
             say(f"prompt cache insert failed ({type(exc).__name__}: {exc}); entry "
                 "dropped", key="mlx-lm:insert-failed")

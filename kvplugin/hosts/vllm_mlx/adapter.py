@@ -40,7 +40,6 @@ from packaging.specifiers import SpecifierSet
 from kvplugin.hosts.base import HostAdapter, PatchRegistry, fail_start, require_attrs
 from kvplugin.hosts.vllm_mlx import batching, metrics, simple
 from kvplugin.hosts.vllm_mlx.runtime import Runtime
-from kvplugin.hosts.vllm_mlx.session_calls import unpatched_problem
 from kvplugin.hosts.vllm_mlx.startup import announce, config_of
 from kvplugin.hostspecs import VLLM_MLX
 from kvplugin.log import say
@@ -183,6 +182,8 @@ class VllmMlxAdapter(HostAdapter):
         if self.install_serving(args, settings):
             announce(self, args, settings)
             return
+        from kvplugin.cache.session import unpatched_problem  # lazy: mlx loads with the engine
+
         problem = unpatched_problem(settings, self.name)
         if problem is not None:
             fail_start(problem)

@@ -21,7 +21,6 @@ import threading
 from typing import Any
 
 from kvplugin.hosts.base import PatchRegistry, require_attrs
-from kvplugin.hosts.vllm_mlx.session_calls import persist_dir
 from kvplugin.log import say
 
 _MB = 1024 * 1024
@@ -259,9 +258,13 @@ class KVPrefixCache:
 
     # -- persistence ---------------------------------------------------------------------
     def save_to_disk(self, cache_dir: str) -> bool:
+        from kvplugin.cache.session import persist_dir  # lazy: mlx loads with the engine
+
         return self._service.persist(persist_dir(cache_dir))
 
     def load_from_disk(self, cache_dir: str) -> int:
+        from kvplugin.cache.session import persist_dir  # lazy: mlx loads with the engine
+
         return self._service.restore(persist_dir(cache_dir))
 
 

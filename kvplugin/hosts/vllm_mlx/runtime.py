@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvplugin.hosts.vllm_mlx.session_calls import store_key
 
 
 class Runtime:
@@ -40,6 +39,8 @@ class Runtime:
             base = self._model_fp
         else:  # --models-config: several models, identified by their architecture
             base = _host_fingerprint(model)
+        from kvplugin.cache.session import store_key  # lazy: mlx loads with the engine
+
         return store_key("vllm-mlx", base, self.settings)
 
     @property
