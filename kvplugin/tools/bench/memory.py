@@ -170,6 +170,8 @@ def run_one(
     workdir: Path,
     env: dict[str, str] | None = None,
     seed: int | None = None,
+    host: str = "mlx-lm",
+    host_args: Sequence[str] = (),
 ) -> RunResult:
     """Start one traced server, hold the conversation, stop it, read its trace."""
     from kvplugin.tools.hostproc import ServerProcess, free_port
@@ -177,15 +179,23 @@ def run_one(
     port = free_port()
     trace_path = workdir / f"trace-{key}.jsonl"
     trace_path.unlink(missing_ok=True)
+    from kvplugin.hostspecs import declaration
+
+    host_decl = declaration(host)
+    fill = {"model": str(model_dir), "host": "127.0.0.1", "port": str(port),
+            "served_model_name": "bench"}
+    launch = [part.format(**fill) for part in host_decl.launch]
+    if host == "mlx-lm":
+        launch += ["--prefill-step-size", str(prefill_step)]
     cmd = [
         sys.executable, "-m", "kvplugin.tools.memtrace", "--out", str(trace_path), "--",
-        "mlx_lm.server", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--prefill-step-size", str(prefill_step), *config.args,
+        host_decl.console_script, *launch, *host_args, *config.args,
     ]
-    server_env = dict(env or {})
+    server_env = {**host_decl.launch_env, **(env or {})}
     server_env["KVPLUGIN_DISABLE"] = "1" if config.stock else None  # type: ignore[assignment]
     result = RunResult(key, config.label, 0)
-    with ServerProcess(cmd, port=port, env=server_env, workdir=workdir / key,
+    model = "bench" if host_decl.request_needs_model else None
+    with ServerProcess(cmd, port=port, env=server_env, workdir=workdir / key, model=model,
                        startup_timeout=300, name=key) as server:
         # Warm-up: a short unrelated request, so lazily loaded weights and the first graph are
         # in memory before the baseline is taken (then growth is the conversation's alone).
@@ -293,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prefill-step-size", type=int, default=256)
+    p.add_argument("--host", default="mlx-lm", choices=["mlx-lm", "vllm-mlx"],
+                   help="which host server to measure")
+    p.add_argument("--continuous-batching", action="store_true",
+                   help="vllm-mlx: its continuous-batching mode (default: its simple mode)")
     p.add_argument("--sequential", action="store_true",
                    help="send a seed with every request: mlx-lm's sequential path")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -302,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     blas = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
     if sys.platform == "linux" and os.path.exists(blas):
         env["LD_PRELOAD"] = blas  # same answers, ~40x faster fp32 matmul on CPU (stated)
+    host_args = ["--continuous-batching"] if args.continuous_batching else []
+    mode = (f"{args.host}" + (" --continuous-batching" if args.continuous_batching else
+                              " (simple mode)" if args.host == "vllm-mlx" else ""))
     everything = {}
     for model_name in args.model or ["kv-heavy"]:
         model_dir = resolve_model(model_name)
@@ -314,13 +331,16 @@ def main(argv: list[str] | None = None) -> int:
                     model_dir, CONFIGS[key], key, system, turns=args.turns,
                     max_tokens=args.max_tokens, prefill_step=args.prefill_step_size,
                     workdir=Path(tmp), env=env, seed=0 if args.sequential else None,
+                    host=args.host, host_args=host_args,
                 ))
-        title = (f"{model_name}: one conversation, {results[0].turns[0].prompt_tokens}-token "
-                 f"prompt, {args.turns} turns, --prefill-step-size {args.prefill_step_size}"
+        title = (f"{mode}, {model_name}: one conversation, {results[0].turns[0].prompt_tokens}-token "
+                 f"prompt, {args.turns} turns"
+                 f"{f', --prefill-step-size {args.prefill_step_size}' if args.host == 'mlx-lm' else ''}"
                  f"{', sequential path (seeded requests)' if args.sequential else ''}"
                  f"{' (OpenBLAS preloaded for every server)' if env else ''}")
         print(table(results, title))
-        stem = f"server_memory_{Path(model_name).name}"
+        stem = (f"server_memory_{args.host}{'_cb' if args.continuous_batching else ''}"
+                f"{'_seq' if args.sequential else ''}_{Path(model_name).name}")
         plot(results, args.out / f"{stem}.png", title)
         everything[model_name] = results_json(results)
         (args.out / f"{stem}.json").write_text(json.dumps(everything[model_name], indent=2))
