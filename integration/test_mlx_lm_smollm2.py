@@ -21,6 +21,8 @@ from kvplugin.tools import blas
 from kvplugin.tools.models import realtext
 from kvplugin.tools.models.smollm2 import build_smollm2
 
+pytestmark = pytest.mark.real_model
+
 MAX_TOKENS = 24
 SYSTEM = ("You are a careful assistant. Answer questions about this document briefly.\n\n"
           + realtext.text("declaration-of-independence"))

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from kvplugin.settings import KVPluginSettings
 
 PROJECT = "kvplugin"
-#: Version 2 added ``kvplugin_unconfigure``.
-HOOK_API_VERSION = 2
+#: Version 2 added ``kvplugin_unconfigure``; version 3 ``kvplugin_cache_event``.
+HOOK_API_VERSION = 3
 #: The attribute a plugin sets to the contract version it needs.
 API_VERSION_ATTR = "kvplugin_hook_api_version"
 
@@ -120,3 +120,16 @@ def kvplugin_store_backend(settings: KVPluginSettings) -> ColdTier | None:
 @hookspec
 def kvplugin_on_evict(entry: StoreEntry, settings: KVPluginSettings) -> None:
     """Observe an entry leaving the hot tier (spilled or discarded). Results are ignored."""
+
+
+@hookspec
+def kvplugin_cache_event(event: str, tokens: int, nbytes: int) -> None:
+    """Observe one cache event as it happens: ``fetch`` (a hit: ``tokens`` reused),
+    ``miss``, ``dequantize``, ``trim``, ``quantize``, ``store`` (``nbytes`` stored),
+    ``evict``. Results are ignored.
+
+    Why: memory across a reuse is decided by what happens at these moments, so a tracer
+    (``python -m kvplugin.tools.memtrace``) or a metrics plugin reads memory right here,
+    from one place, instead of patching every seam a second time. Called on the thread
+    doing the work; keep it cheap.
+    """

@@ -165,6 +165,7 @@ class KVService:
         before = entry_nbytes(cache)
         trimmed = self.hook.kvplugin_trim_entry(cache=cache)
         entry = cache if trimmed is None else trimmed
+        self._event("trim", num_tokens, entry)
         quantized = None
         if self.settings.kv_cache_quantization:
             quantized = self.hook.kvplugin_quantize_entry(
@@ -172,6 +173,7 @@ class KVService:
             )
         if quantized is not None:
             entry = quantized
+            self._event("quantize", num_tokens, entry)
         after = entry_nbytes(entry)
         with self._lock:
             self.counters.entries_stored += 1
@@ -190,7 +192,15 @@ class KVService:
             # response): drop its references now so a replaced full-precision original is
             # freed at insert, not at the next request.
             cache.clear()
-        return self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
+        stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
+        if stored:
+            self._event("store", len(tokens), entry)
+        return stored
+
+    def _event(self, event: str, tokens: int, cache: list | None = None) -> None:
+        """Tell observers (``kvplugin_cache_event``) what just happened, and to how much."""
+        nbytes = entry_nbytes(cache) if cache else 0
+        self.hook.kvplugin_cache_event(event=event, tokens=int(tokens), nbytes=nbytes)
 
     def _prompt_len(self, tokens: Sequence[int]) -> int | None:
         """How many of ``tokens`` were a recent request's prompt (the rest was generated).
@@ -255,8 +265,14 @@ class KVService:
             self._recent_prompts.append((len(tokens), hash(tuple(tokens))))
         cache, n = self.store.fetch(model_key, list(tokens))
         if cache is None:
+            self._event("miss", len(tokens))
             return None, 0
-        return self.restore_precision(cache), n
+        quantized = sum(layer_bits(layer) is not None for layer in cache)
+        restored = self.restore_precision(cache)  # may change `cache` in place
+        if sum(layer_bits(layer) is not None for layer in restored) < quantized:
+            self._event("dequantize", n, restored)
+        self._event("fetch", n, restored)
+        return restored, n
 
     def restore_precision(self, cache: list) -> list:
         restored = self.hook.kvplugin_dequantize_entry(cache=cache, settings=self.settings)
@@ -334,6 +350,7 @@ class KVService:
 
     # -- reporting ----------------------------------------------------------------------------
     def _on_evict(self, entry: Any) -> None:
+        self._event("evict", len(entry.tokens), entry.cache)
         self.hook.kvplugin_on_evict(entry=entry, settings=self.settings)
 
     def stats(self, store_stats: Any = None) -> dict[str, Any]:

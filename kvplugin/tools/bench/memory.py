@@ -248,8 +248,8 @@ def plot(results: Sequence[RunResult], path: Path, title: str) -> Path | None:
         ax.plot(xs, [x["hwm"] / MiB for x in r.trace], label="VmHWM", color="black", lw=1)
         ax.plot(xs, [x["rss"] / MiB for x in r.trace], label="VmRSS", color="grey", lw=0.8)
         ax.plot(xs, [x["active"] / MiB for x in r.trace], label="MLX active", color="tab:blue", lw=0.8)
-        ax.plot(xs, [x["peak"] / MiB for x in r.trace], label="MLX peak (per sample)",
-                color="tab:orange", lw=0.5, alpha=0.7)
+        ax.scatter(xs, [x["peak"] / MiB for x in r.trace], label="MLX peak between samples",
+                   color="tab:orange", s=1, alpha=0.5)
         for turn in r.turns:
             ax.axvspan(turn.start - t0, turn.end - t0, color="tab:green", alpha=0.08)
         for x in r.trace:
