@@ -51,17 +51,44 @@ class _TriggerLoader:
         run_trigger(self._adapter, module)
 
     def get_code(self, fullname):
-        """Only runpy asks for the code: ``python -m <host module>`` runs it as
-        ``__main__``, where it calls its ``main()`` before any trigger could patch it."""
-        if not disabled():
-            from kvplugin.log import say
+        """Only runpy asks for the code: ``python -m <host module>`` runs it as ``__main__``,
+        where it would call its ``main()`` before any trigger could patch it.
 
-            say(
-                f"`python -m {fullname}` runs the host as __main__, which kvplugin cannot "
-                f"patch; the host runs stock (use its console script instead)",
-                key="runpy",
-            )
-        return self._loader.get_code(fullname)
+        So ``__main__`` gets a two-line stand-in instead: import the host module the normal
+        way (the trigger patches it, exactly as for the console script) and call its
+        ``main()``, which is what the module's own ``if __name__ == "__main__"`` does. A
+        module without a ``main()`` runs its own code, stock, and says so once.
+        """
+        if disabled():
+            return self._loader.get_code(fullname)
+        source = (
+            "import kvplugin._bootstrap as _kvplugin_bootstrap\n"
+            f"_kvplugin_bootstrap.run_as_main({fullname!r}, globals())\n"
+        )
+        return compile(source, f"<kvplugin: python -m {fullname}>", "exec")
+
+
+def run_as_main(fullname: str, namespace: dict) -> None:
+    """``python -m <host module>`` with kvplugin: the patched module's ``main()``."""
+    import importlib
+    import importlib.util
+
+    module = importlib.import_module(fullname)
+    main = getattr(module, "main", None)
+    if callable(main):
+        result = main()
+        if isinstance(result, int) and result:
+            raise SystemExit(result)
+        return
+    from kvplugin.log import say
+
+    say(f"`python -m {fullname}`: the module has no main(); the host runs stock", key="runpy")
+    spec = importlib.util.find_spec(fullname)
+    loader = getattr(spec, "loader", None)
+    loader = getattr(loader, "_loader", loader)  # past our own wrapper: the module's code
+    code = loader.get_code(fullname) if loader is not None else None
+    if code is not None:
+        exec(code, namespace)
 
 
 class _TriggerFinder:
