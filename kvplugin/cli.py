@@ -15,39 +15,20 @@ from collections.abc import Sequence
 
 import kvplugin
 from kvplugin.options import add_options, given_flags
-from kvplugin.settings import SettingsError, option_infos, resolve_settings, setting_sources
+from kvplugin.settings import SettingsError
 
 
 def cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from kvplugin.hosts import all_adapters
-    from kvplugin.plugins import list_plugins
+    import json
 
-    flags = given_flags(parser, args)
+    from kvplugin import info
+
     try:
-        settings = resolve_settings(flags)
+        data = info.collect(given_flags(parser, args))
     except SettingsError as exc:
         print(exc, file=sys.stderr)
         return 2
-    sources = setting_sources(flags)
-
-    print(f"kvplugin {kvplugin.__version__}")
-    print("\nhosts:")
-    for adapter in all_adapters():
-        version = adapter.version()
-        if version is None:
-            state = "not installed"
-        elif version in adapter.supported:
-            state = f"{version} (supported)"
-        else:
-            state = f"{version} (UNSUPPORTED: runs stock)"
-        print(f"  {adapter.name:<10} {state:<32} supported range: {adapter.supported}")
-    print("\nplugins:")
-    for plugin in list_plugins():
-        print(f"  {plugin.name:<20} {plugin.origin}")
-    print("\nsettings (flag > env > default):")
-    for info in option_infos():
-        value = getattr(settings, info.field)
-        print(f"  {info.flag:<36} {value!s:<12} [{sources[info.field]}]  {info.env}")
+    print(json.dumps(data, indent=2) if args.json else info.render(data))
     return 0
 
 
@@ -96,9 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=kvplugin.__version__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = sub.add_parser("info", help="version, hosts, plugins and resolved settings",
-                          description="Version, hosts, plugins and the resolved settings with "
-                                      "their sources (flag > env > default).")
+                          description="Whether kvplugin is active here (and why not), hosts, "
+                                      "plugins, the configuration file and the resolved "
+                                      "settings with their sources (flag > env > file > "
+                                      "default).")
     add_options(info)
+    info.add_argument("--json", action="store_true", help="the same facts as JSON")
     info.set_defaults(func=cmd_info, subparser=info)
 
     from kvplugin.tools import demo

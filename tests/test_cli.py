@@ -71,7 +71,8 @@ def test_info_lists_hosts_plugins_and_settings_with_sources(capsys, monkeypatch)
     rc = cli.main(["info", "--max-kv-size", "4096"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "hosts:" in out and "plugins:" in out and "settings (flag > env > default):" in out
+    # (the heading said "flag > env > default" before the configuration file existed)
+    assert "hosts:" in out and "plugins:" in out and "settings (flag > env > file > default):" in out
     assert "mlx-lm" in out and "vllm-mlx" in out and "supported range" in out
     assert "builtin" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  --")}
@@ -81,6 +82,39 @@ def test_info_lists_hosts_plugins_and_settings_with_sources(capsys, monkeypatch)
     assert "4096" in rows["--max-kv-size"] and "[flag]" in rows["--max-kv-size"]
     assert "512" in rows["--kv-cache-step"] and "[env]" in rows["--kv-cache-step"]
     assert "[default]" in rows["--hot-cache-only"]
+
+
+def test_info_tells_active_disabled_and_missing_activation(capsys, monkeypatch):
+    from kvplugin import info
+
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "status: active" in out and "kvplugin.pth" in out
+    monkeypatch.setenv("KVPLUGIN_DISABLE", "1")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "status: disabled" in out and "KVPLUGIN_DISABLE='1'" in out
+    monkeypatch.delenv("KVPLUGIN_DISABLE")
+    monkeypatch.setattr(info, "_site_dirs", lambda: [])
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "status: inactive" in out and "activation file: MISSING" in out
+
+
+def test_info_json_has_the_same_facts(capsys, monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kvplugin.toml").write_text("max_kv_size = 2048\n")
+    monkeypatch.setenv("KVPLUGIN_HOME", str(tmp_path / "home"))
+    assert cli.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["activation"]["state"] == "active"
+    assert data["config_file"] == str(tmp_path / "kvplugin.toml")
+    assert data["model_cache"] == str(tmp_path / "home")
+    row = next(r for r in data["settings"] if r["flag"] == "--max-kv-size")
+    assert row["value"] == 2048 and row["source"] == "file"
+    assert {h["name"] for h in data["hosts"]} >= {"mlx-lm", "vllm-mlx"}
 
 
 def test_info_ends_cleanly_on_a_closed_pipe():
