@@ -84,6 +84,9 @@ def test_group_size_not_dividing_head_dim_stops_the_server(tiny_model, by):
     assert r.returncode == 2
     assert info.flag in r.stderr and info.env in r.stderr
     assert "head dimension 64" in r.stderr
+    # decided from config.json before the server listens (it used to come after the weights
+    # loaded in the generation thread, with the port already open)
+    assert "Starting httpd" not in r.stderr + r.stdout
 
 
 def test_max_kv_size_with_mlx_lm_kv_bits_is_refused(tiny_model):

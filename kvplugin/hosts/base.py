@@ -12,11 +12,13 @@ already applied is undone.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from packaging.specifiers import SpecifierSet
@@ -225,3 +227,29 @@ def wraps_original(original: Callable) -> Callable[[Callable], Callable]:
         return wrapped
 
     return deco
+
+
+def config_of(path: str | os.PathLike | None) -> dict | None:
+    """``config.json`` of a local model directory or an already cached HF repo (no I/O else).
+
+    Both hosts check the model against the settings from it *before* the server listens:
+    the weights load later (in mlx-lm's generation thread, after "Starting httpd").
+    """
+    if not path:
+        return None
+    p = Path(str(path)).expanduser()
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(str(path), "config.json")
+        except Exception:
+            found = None
+        if not isinstance(found, str):
+            return None
+        cfg = Path(found)
+    try:
+        return json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return None

@@ -57,6 +57,7 @@ from packaging.specifiers import SpecifierSet
 from kvplugin.cache.fingerprint import model_fingerprint
 from kvplugin.hosts.base import (
     STATS_PATH,
+    config_of,
     HostAdapter,
     PatchRegistry,
     SeamError,
@@ -352,6 +353,14 @@ class MlxLmAdapter(HostAdapter):
             cli = getattr(model_provider, "cli_args", None)
             max_bytes = getattr(cli, "prompt_cache_bytes", None)
             max_entries = getattr(cli, "prompt_cache_size", None)
+            # Decide what the model's config can tell before the server listens: the
+            # weights load later, in the generation thread, after "Starting httpd".
+            config = config_of(getattr(cli, "model", None))
+            if config is not None:
+                problem = adapter.model_problem({"args": config}, adapter.settings,
+                                                adapter.given_flags)
+                if problem is not None:
+                    fail_start(problem)
             try:
                 service = adapter.create_service(max_bytes=max_bytes, max_entries=max_entries)
             except SettingsError as err:

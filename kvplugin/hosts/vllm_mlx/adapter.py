@@ -40,7 +40,8 @@ from packaging.specifiers import SpecifierSet
 from kvplugin.hosts.base import HostAdapter, PatchRegistry, fail_start, require_attrs
 from kvplugin.hosts.vllm_mlx import batching, metrics, simple
 from kvplugin.hosts.vllm_mlx.runtime import Runtime
-from kvplugin.hosts.vllm_mlx.startup import announce, config_of
+from kvplugin.hosts.base import config_of
+from kvplugin.hosts.vllm_mlx.startup import announce
 from kvplugin.hostspecs import VLLM_MLX
 from kvplugin.log import say
 

@@ -10,34 +10,9 @@ own modes and flags, which is why they are the adapter's and not the session's.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 from kvplugin.log import say
-
-
-def config_of(path: str | os.PathLike | None) -> dict | None:
-    """``config.json`` of a local model directory or an already cached HF repo (no I/O else)."""
-    if not path:
-        return None
-    p = Path(str(path)).expanduser()
-    cfg = p / "config.json"
-    if not cfg.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            found = try_to_load_from_cache(str(path), "config.json")
-        except Exception:
-            found = None
-        if not isinstance(found, str):
-            return None
-        cfg = Path(found)
-    try:
-        return json.loads(cfg.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def unbacked_batching_mode(args: argparse.Namespace) -> str | None:
