@@ -570,15 +570,16 @@ def test_collector_serves_the_session_counters(adapter, fake):
     assert got["kvplugin_tokens_reused_total"] == stats["store_tokens_reused"] == 10
     assert got["kvplugin_entries"] == stats["store_entries"] == 0
     names = {f"kvplugin_{n}_total" for n, _, _ in metrics.COUNTERS}
-    names |= {f"kvplugin_{n}" for n, _, _ in metrics.GAUGES}
+    names |= {f"kvplugin_{n}" for n, _, _ in metrics.GAUGES if not n.startswith("cold_")}
     assert names <= set(got)
+    assert "kvplugin_cold_entries" not in got  # no cold tier: no sample, never a fake -1
     metrics.unregister_collectors(adapter.runtime)
     assert _scrape(owner._prom["registry"]) == {}
 
 
 def test_collector_without_a_session_has_no_samples(adapter):
     registry = CollectorRegistry()
-    registry.register(metrics.KVCollector(lambda: adapter.runtime))
+    registry.register(metrics.KVCollector(lambda: metrics._stats(adapter)))
     assert _scrape(registry) == {}
 
 

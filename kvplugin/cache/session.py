@@ -21,6 +21,7 @@ The hook relay (``pm.hook``) is passed in: the engine never imports the plugin m
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import deque
@@ -35,6 +36,8 @@ from kvplugin.settings import KVPluginSettings, option_info
 
 __all__ = ["Counters", "KVService", "describe_entry", "host_option_conflict", "model_problem",
            "persist_dir", "store_key", "unpatched_problem"]
+
+log = logging.getLogger("kvplugin")
 
 _UNLIMITED = 1 << 62
 
@@ -266,12 +269,16 @@ class KVService:
         cache, n = self.store.fetch(model_key, list(tokens))
         if cache is None:
             self._event("miss", len(tokens))
+            log.debug("prompt cache miss: %d prompt tokens", len(tokens))
             return None, 0
         quantized = sum(layer_bits(layer) is not None for layer in cache)
         restored = self.restore_precision(cache)  # may change `cache` in place
         if sum(layer_bits(layer) is not None for layer in restored) < quantized:
             self._event("dequantize", n, restored)
         self._event("fetch", n, restored)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("prompt cache hit: %d of %d prompt tokens reused, entry %d bytes",
+                      n, len(tokens), entry_nbytes(restored))
         return restored, n
 
     def restore_precision(self, cache: list) -> list:

@@ -142,7 +142,7 @@ class StoreStats:
     inserts kept nowhere (empty, or oversized and no cold tier took it).
     replaced/superseded: see module docstring.  bytes_by_kind: hot bytes per layer
     class name.  cold_entries/cold_bytes: from the cold tier if it exposes
-    ``__len__``/``nbytes`` (else -1).
+    ``__len__``/``nbytes``; ``None`` when there is no cold tier (never a fake -1).
     """
 
     entries: int
@@ -161,8 +161,8 @@ class StoreStats:
     replaced: int = 0
     superseded: int = 0
     bytes_by_kind: dict = field(default_factory=dict)
-    cold_entries: int = -1
-    cold_bytes: int = -1
+    cold_entries: int | None = None
+    cold_bytes: int | None = None
 
 
 

@@ -39,7 +39,8 @@ Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted):
     value ends the process with exit code 2 and a message naming flag and env variable.
 ``APIHandler.do_GET``
     Wrapped: ``GET /kvplugin/stats`` answers the service's counters and the stored
-    entries as JSON; every other path goes to the host.
+    entries as JSON, ``GET /metrics`` kvplugin's Prometheus series (mlx-lm has no
+    ``/metrics`` of its own); every other path goes to the host.
 """
 
 from __future__ import annotations
@@ -461,21 +462,31 @@ class MlxLmAdapter(HostAdapter):
         return self.model_problem(model, self.settings, self.given_flags)
 
     def _wrap_do_get(self, original: Callable) -> Callable:
+        from kvplugin.metrics import CONTENT_TYPE, METRICS_PATH
+
         @wraps_original(original)
         def do_GET(handler, *args: Any, **kwargs: Any) -> Any:
-            if handler.path.split("?", 1)[0].rstrip("/") != STATS_PATH:
+            path = handler.path.split("?", 1)[0].rstrip("/")
+            if path not in (STATS_PATH, METRICS_PATH):
                 return original(handler, *args, **kwargs)
             generator = getattr(handler, "response_generator", None)
             cache = getattr(generator, "prompt_cache", None)
             if not isinstance(cache, KVPluginPromptCache):
                 return original(handler, *args, **kwargs)
             try:
-                status, body = 200, cache.report()
+                if path == METRICS_PATH:  # mlx-lm has no /metrics: kvplugin's series only
+                    from kvplugin.metrics import exposition
+
+                    status, data, kind = 200, exposition(cache.service.stats()), CONTENT_TYPE
+                else:
+                    body = cache.report()
+                    status, kind = 200, "application/json"
+                    data = json.dumps(body, default=str).encode()
             except Exception as exc:
-                status, body = 500, {"error": f"{type(exc).__name__}: {exc}"}
-            data = json.dumps(body, default=str).encode()
+                status, kind = 500, "application/json"
+                data = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
             handler.send_response(status)
-            handler.send_header("Content-type", "application/json")
+            handler.send_header("Content-type", kind)
             handler.send_header("Content-Length", str(len(data)))
             handler.end_headers()
             handler.wfile.write(data)

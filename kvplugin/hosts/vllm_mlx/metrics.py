@@ -12,32 +12,18 @@ Both read the session from the adapter's runtime at request time.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from kvplugin.hosts.base import STATS_PATH, PatchRegistry, require_attrs
 from kvplugin.log import say
+from kvplugin.metrics import COUNTERS, GAUGES, KVCollector, families  # noqa: F401  (shared)
 
-#: (metric name without ``kvplugin_``, help, key of ``KVService.stats()``)
-COUNTERS = (
-    ("entries_stored", "Prompt-cache entries kvplugin prepared for storage.", "entries_stored"),
-    ("entries_quantized", "Entries stored quantized.", "entries_quantized"),
-    ("bytes_saved", "Bytes saved by trimming and quantization (live size - stored size).",
-     "bytes_saved"),
-    ("hits", "Prompt-cache lookups that reused a stored prefix.", "store_hits"),
-    ("misses", "Prompt-cache lookups without a usable prefix.", "store_misses"),
-    ("evictions", "Entries evicted from the hot tier.", "store_evictions"),
-    ("spills", "Evicted entries written to the cold (SSD) tier.", "store_spills"),
-    ("cold_hits", "Hits served from the cold (SSD) tier.", "store_cold_hits"),
-    ("discarded", "Evicted entries dropped (no cold tier, or it refused).", "store_discarded"),
-    ("tokens_reused", "Prompt tokens served from the cache.", "store_tokens_reused"),
-)
-GAUGES = (
-    ("entries", "Entries in the hot tier.", "store_entries"),
-    ("bytes", "Bytes held by the hot tier.", "store_bytes"),
-    ("cold_entries", "Entries in the cold tier (-1: none).", "store_cold_entries"),
-)
 
+def _stats(adapter: Any) -> dict | None:
+    """The running session's stats at scrape time (None before it exists)."""
+    service = adapter.runtime.service
+    return service.stats() if service is not None else None
 
 def check_seams(metrics: Any, server: Any) -> None:
     """Fail closed: the metrics initialiser and a mutable route list exist."""
@@ -58,36 +44,6 @@ def install(patches: PatchRegistry, adapter: Any, metrics: Any, server: Any) -> 
     patches.replace(router, "routes", [*router.routes, stats_route(adapter)])
 
 
-class KVCollector:
-    """Prometheus collector: ``kvplugin_*`` counters from ``KVService.stats()``."""
-
-    def __init__(self, runtime_of: Callable[[], Any]) -> None:
-        self._runtime_of = runtime_of  # the adapter's current runtime, read at scrape time
-
-    def describe(self) -> list:
-        return list(families({}))
-
-    def collect(self) -> list:
-        service = self._runtime_of().service
-        return list(families(service.stats() if service is not None else {}))
-
-
-def families(stats: dict) -> Iterator[Any]:
-    """One metric family per counter and gauge; a sample only for the keys ``stats`` has."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    for name, text, key in COUNTERS:
-        fam = CounterMetricFamily(f"kvplugin_{name}", text)
-        if key in stats:
-            fam.add_metric([], float(stats[key]))
-        yield fam
-    for name, text, key in GAUGES:
-        gauge = GaugeMetricFamily(f"kvplugin_{name}", text)
-        if key in stats:
-            gauge.add_metric([], float(stats[key]))
-        yield gauge
-
-
 def register_collector(collector_owner: Any, adapter: Any) -> None:
     """Register one :class:`KVCollector` on the owner's registry (once per registry)."""
     prom = getattr(collector_owner, "_prom", None)
@@ -97,7 +53,7 @@ def register_collector(collector_owner: Any, adapter: Any) -> None:
     rt = adapter.runtime
     if any(reg is registry for reg, _ in rt.collectors):
         return
-    collector = KVCollector(lambda: adapter.runtime)
+    collector = KVCollector(lambda: _stats(adapter))
     registry.register(collector)
     rt.collectors.append((registry, collector))
 

@@ -1,0 +1,77 @@
+"""kvplugin's Prometheus series, built from :meth:`KVService.stats`, for every host.
+
+One table of series for both hosts: vllm-mlx registers :class:`KVCollector` on its own
+``/metrics`` registry; mlx-lm has no ``/metrics``, so kvplugin serves one with only these
+series (:func:`exposition`). Only what kvplugin measures is exported — never the host's own
+counters relabelled as ours. A series whose stats key is absent or ``None`` (a tier that is
+not configured) has no sample rather than a made-up value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+METRICS_PATH = "/metrics"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: (metric name without ``kvplugin_``, help, key of ``KVService.stats()``)
+COUNTERS = (
+    ("entries_stored", "Prompt-cache entries kvplugin prepared for storage.", "entries_stored"),
+    ("entries_quantized", "Entries stored quantized.", "entries_quantized"),
+    ("bytes_saved", "Bytes saved by trimming and quantization (live size - stored size).",
+     "bytes_saved"),
+    ("hits", "Prompt-cache lookups that reused a stored prefix.", "store_hits"),
+    ("misses", "Prompt-cache lookups without a usable prefix.", "store_misses"),
+    ("evictions", "Entries evicted from the hot tier.", "store_evictions"),
+    ("spills", "Evicted entries written to the cold (SSD) tier.", "store_spills"),
+    ("cold_hits", "Hits served from the cold (SSD) tier.", "store_cold_hits"),
+    ("discarded", "Evicted entries dropped (no cold tier, or it refused).", "store_discarded"),
+    ("superseded", "Entries replaced by a longer one of the same conversation.",
+     "store_superseded"),
+    ("tokens_reused", "Prompt tokens served from the cache.", "store_tokens_reused"),
+)
+GAUGES = (
+    ("entries", "Entries in the hot tier.", "store_entries"),
+    ("bytes", "Bytes held by the hot tier.", "store_bytes"),
+    ("cold_entries", "Entries in the cold tier (no sample: no cold tier).", "store_cold_entries"),
+    ("cold_bytes", "Bytes in the cold tier (no sample: no cold tier).", "store_cold_bytes"),
+)
+
+
+def families(stats: Mapping[str, Any]) -> Iterator[Any]:
+    """One metric family per series; a sample only where ``stats`` has a value."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, text, key in COUNTERS:
+        fam = CounterMetricFamily(f"kvplugin_{name}", text)
+        if stats.get(key) is not None:
+            fam.add_metric([], float(stats[key]))
+        yield fam
+    for name, text, key in GAUGES:
+        gauge = GaugeMetricFamily(f"kvplugin_{name}", text)
+        if stats.get(key) is not None:
+            gauge.add_metric([], float(stats[key]))
+        yield gauge
+
+
+class KVCollector:
+    """A Prometheus collector reading the session's stats at scrape time."""
+
+    def __init__(self, stats_of: Callable[[], Mapping[str, Any] | None]) -> None:
+        self._stats_of = stats_of
+
+    def describe(self) -> list:
+        return list(families({}))
+
+    def collect(self) -> list:
+        return list(families(self._stats_of() or {}))
+
+
+def exposition(stats: Mapping[str, Any]) -> bytes:
+    """The Prometheus text format of kvplugin's series alone (mlx-lm's ``/metrics``)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(KVCollector(lambda: stats))
+    return generate_latest(registry)
