@@ -29,6 +29,9 @@ def test_help_lists_every_option_with_its_env_variable():
         assert info.env in out, info.env
     assert "kvplugin (KV-cache memory" in out
     assert "--prompt-cache-bytes" in out  # the host's own options are still there
+    # how mlx-lm's own --kv-bits relates to kvplugin's quantization is said where both show
+    note = " ".join(out.split())
+    assert "How these relate to mlx-lm's --kv-bits" in note and "STORES between requests" in note
 
 
 def test_help_via_python_m_mlx_lm_server():

@@ -53,10 +53,13 @@ def add_options(
     parser: argparse.ArgumentParser,
     *,
     only: Iterable[str] | None = None,
+    description: str | None = None,
 ) -> dict[str, str]:
     """Add (or adopt) kvplugin's options on ``parser``; return ``{field: dest}``.
 
-    ``only`` restricts the fields handled (by field name). Calling twice is harmless.
+    ``only`` restricts the fields handled (by field name). ``description`` heads kvplugin's
+    group in ``--help`` (a host says there how its own flags relate). Calling twice is
+    harmless.
     """
     dests: dict[str, str] = getattr(parser, _DESTS_ATTR, {})
     wanted = set(only) if only is not None else None
@@ -70,7 +73,8 @@ def add_options(
             dests[info.field] = existing.dest
             continue
         if group is None:
-            group = parser.add_argument_group(GROUP_TITLE)
+            group = parser.add_argument_group(
+                GROUP_TITLE, description.replace("%", "%%") if description else None)
         if info.is_bool:
             action = group.add_argument(
                 info.flag,

@@ -74,6 +74,16 @@ __all__ = ["ADAPTER", "STATS_PATH", "KVPluginPromptCache", "MlxLmAdapter", "Seam
 HOST_NAME = MLX_LM.name
 
 
+KV_BITS_NOTE = (
+    "How these relate to mlx-lm's --kv-bits: --kv-bits quantizes the LIVE cache of every "
+    "request while it is generated (and sends requests down mlx-lm's sequential path); "
+    "--kv-cache-quantization* quantize only the prompt-cache entries kvplugin STORES between "
+    "requests. Both can be used together (entries mlx-lm already quantized are stored as they "
+    "are). --max-kv-size cannot be combined with --kv-bits (mlx-lm cannot quantize a bounded "
+    "cache) or --draft-model; the server refuses to start and says why."
+)
+
+
 class _StartupError(ValueError):
     """A configuration error found while the default model loads at start-up."""
 
@@ -323,7 +333,7 @@ class MlxLmAdapter(HostAdapter):
         from kvplugin.options import add_options, given_flags, settings_from_namespace
         from kvplugin.settings import SettingsError
 
-        add_options(parser)
+        add_options(parser, description=KV_BITS_NOTE)
         ns = raw(parser, args, namespace)
         given = given_flags(parser, ns)  # before settings_from_namespace fills in the rest
         try:
