@@ -134,7 +134,10 @@ def test_ctrl_c_leaves_no_server_behind(kvplugin_cmd, kvhome, tmp_path, demo_run
     proc = subprocess.Popen(
         [*kvplugin_cmd, "demo", "--port", str(port), "--system-tokens", "3000"],
         env=server_env(tmp_path / "home", _env(kvhome)), cwd=tmp_path, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # as when started in the background (`cmd &`, a CI job): SIGINT inherited ignored, so
+        # the demo must install its own handler for Ctrl-C to work
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
     seen: list[str] = []

@@ -89,8 +89,13 @@ def say(message: str) -> None:
 
 @contextlib.contextmanager
 def cleanup_signals() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit(143)`` (so ``finally`` blocks stop the server); restored
-    afterwards. SIGINT keeps Python's KeyboardInterrupt."""
+    """SIGTERM raises ``SystemExit(143)`` and SIGINT ``KeyboardInterrupt`` (so ``finally``
+    blocks stop the server); restored afterwards.
+
+    SIGINT gets Python's own handler installed explicitly: a process started in the
+    background (``cmd &``, a CI job) inherits SIGINT *ignored*, and Python keeps an inherited
+    "ignore", so without this Ctrl-C (or ``kill -INT``) would do nothing there.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -98,11 +103,13 @@ def cleanup_signals() -> Iterator[None]:
     def on_term(signum, frame):
         raise SystemExit(128 + signum)
 
-    old = signal.signal(signal.SIGTERM, on_term)
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
 
 
 def stop_quietly(servers: Sequence[ServerProcess | None]) -> None:
