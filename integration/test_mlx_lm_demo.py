@@ -67,6 +67,12 @@ def test_demo_prints_what_kvplugin_did(demo_run):
     assert re.search(r"streaming\s+cold\s+\d+ ms\s+warm\s+\d+ ms\s+[\d.]+x faster", out), out
     assert re.search(r"1-token request\s+cold\s+\d+ ms\s+warm\s+\d+ ms", out), out
     assert "the server was stopped" in out
+    # the honest comparison: the same conversation on a stock server, both rows printed
+    assert "stock vs kvplugin, the same conversation on each" in out
+    for row in ("held after the conversation", "conversations in the budget",
+                "peak above held, on reuse", "first token, later turns", "prompt tokens reused"):
+        assert re.search(rf"{row}\s+\S+( \w+)?\s+\S+", out), (row, out)
+    assert "stock mlx-lm caches prompts too" in out
     # progress on stderr: the model was built (fresh KVPLUGIN_HOME) and the server started
     assert "building the tiny model (once)" in r.stderr
     assert "starting mlx_lm.server" in r.stderr and ": done (" in r.stderr
@@ -86,6 +92,12 @@ def test_demo_numbers(demo_run):
     for key in ("ttft_stream_cold_s", "ttft_stream_warm_s", "ttft_1tok_cold_s", "ttft_1tok_warm_s"):
         assert s[key] and s[key] > 0, key
     assert data["stats"]["quantization"]["bits"] == 8
+    sbs = s["side_by_side"]
+    assert sbs["stock"]["label"].startswith("stock") and "kvplugin" in sbs["kvplugin"]["label"]
+    # measured in both processes; kvplugin holds less and fits more conversations
+    assert 0 < sbs["kvplugin"]["held_after_bytes"] < sbs["stock"]["held_after_bytes"]
+    assert sbs["kvplugin"]["conversations_in_budget"] > sbs["stock"]["conversations_in_budget"]
+    assert sbs["kvplugin"]["tokens_reused"] >= sbs["stock"]["tokens_reused"]
 
 
 def test_demo_with_kvplugin_disabled_fails_clearly(kvplugin_cmd, kvhome, tmp_path):

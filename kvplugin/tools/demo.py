@@ -111,8 +111,134 @@ def kvplugin_flags(bits: int, min_tokens: int) -> list[str]:
             "--kv-cache-min-quantize-tokens", str(min_tokens)]
 
 
+def _traced(cmd: list[str], trace: Path) -> list[str]:
+    """The host command under the in-process memory recorder (same host, same arguments)."""
+    return [sys.executable, "-m", "kvplugin.tools.memtrace", "--out", str(trace), "--",
+            Path(cmd[0]).name, *cmd[1:]]
+
+
+def _conversation(srv: ServerProcess, maker: TextMaker, args: argparse.Namespace,
+                  st: Status) -> dict[str, Any]:
+    """The demo's conversation, identical for the stock and the kvplugin server."""
+    import time
+
+    out: dict[str, Any] = {"turns": [], "marks": {}}
+    # A short unrelated request first: the server's first request pays one-time set-up
+    # costs that are not prefill; "cold" below is a prefix not in the cache.
+    timed_chat(srv, [{"role": "user", "content": "Hello."}], max_tokens=1)
+    system = ("You are the guide of a small river town. Answer visitors' questions "
+              "from these notes. " + maker.text(args.system_tokens, "demo-system", "Notes"))
+    history: list[dict[str, str]] = [{"role": "system", "content": system}]
+    for t in range(args.turns):
+        st.note = f", turn {t + 1}/{args.turns}"
+        out["marks"][f"turn{t + 1}"] = time.time()
+        history.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+        r = stream_chat(srv, history, max_tokens=args.max_tokens)
+        history.append({"role": "assistant", "content": r.text})
+        out["turns"].append({"turn": t + 1, **r.to_dict()})
+    out["marks"]["end"] = time.time()
+    # The same measurement with whole 1-token requests: a new system prompt of the same
+    # size (cold), then the same conversation's next turn (warm).
+    st.note = ", 1-token timing"
+    other = ("You are the guide of a small river town. Answer visitors' questions "
+             "from these notes. " + maker.text(args.system_tokens, "demo-other", "Notes"))
+    conv = [{"role": "system", "content": other}, {"role": "user", "content": QUESTIONS[0]}]
+    cold1 = timed_chat(srv, conv, max_tokens=1)
+    conv += [{"role": "assistant", "content": cold1.text},
+             {"role": "user", "content": QUESTIONS[1]}]
+    warm1 = timed_chat(srv, conv, max_tokens=1)
+    out["one_token"] = {"cold": cold1.to_dict(), "warm": warm1.to_dict()}
+    st.note = ""
+    return out
+
+
+def _memory(trace: Path, marks: Mapping[str, float]) -> dict[str, Any] | None:
+    """From the recorder's trace: what the conversation left held, and the reuse peak."""
+    try:
+        rows = [json.loads(line) for line in trace.read_text().splitlines() if line]
+    except OSError:
+        return None
+    if not rows or "turn2" not in marks:
+        return None
+
+    def at(t: float) -> dict:
+        before = [r for r in rows if r["t"] <= t]
+        return before[-1] if before else rows[0]
+
+    start, reuse, end = at(marks["turn1"]), at(marks["turn2"]), at(marks["end"])
+    during = [r for r in rows if marks["turn2"] <= r["t"] <= marks["end"]]
+    peak = max((r["peak"] for r in during), default=reuse["active"])
+    return {
+        "held_after_bytes": end["active"] - start["active"],
+        "reuse_peak_over_bytes": max(0, peak - reuse["active"]),
+        "hwm_growth_bytes": end["hwm"] - start["hwm"],
+    }
+
+
+def _serve_once(spec: HostSpec, version: str, model_dir: Path, maker: TextMaker,
+                args: argparse.Namespace, *, stock: bool, progress: bool) -> dict[str, Any]:
+    """Start one server (stock: ``KVPLUGIN_DISABLE=1`` for it alone), hold the conversation
+    under the memory recorder, stop it; the numbers of that one server."""
+    port = (args.port if not stock else None) or hostproc.free_port()
+    budget = [*spec.budget_args(args.prompt_cache_bytes)]
+    host_args = [*budget, *args.host_args] if stock else [
+        *kvplugin_flags(args.bits, args.min_quantize_tokens), *budget, *args.host_args]
+    workdir = Path(tempfile.mkdtemp(prefix="kvplugin-demo-"))  # the server's HOME and log
+    trace = workdir / "memory.jsonl"
+    cmd = _traced(spec.command(model_dir, port, host_args), trace)
+    env = {**spec.env, "KVPLUGIN_DISABLE": "1" if stock else None}
+    label = f"stock {spec.label}" if stock else f"{spec.label} + kvplugin"
+
+    def announce(server: ServerProcess) -> None:
+        if progress:
+            say(f"{spec.label} pid {server.pid} (process group {server.pid}) on {server.url}"
+                f" [{'stock' if stock else 'kvplugin'}]")
+
+    srv = ServerProcess(cmd, port=port, env=env, model=spec.model, workdir=workdir,
+                        startup_timeout=args.startup_timeout,
+                        ready_check=_announcing_ready_check(announce), name=spec.label)
+    result: dict[str, Any] = {"label": label, "command": " ".join([spec.label, *host_args])}
+    keep_log = True  # only when something went wrong
+    try:
+        try:
+            with Status(f"starting {label} {version} on {srv.url}", enabled=progress):
+                srv.start()
+        except ServerStartError as err:
+            raise DemoFailed(f"{label} did not start:\n{err}") from None
+        result["startup_s"] = srv.startup_seconds
+        if not stock and get_stats(srv) is None:
+            raise DemoFailed(_inactive_message(srv, spec))
+        with Status(f"holding a {args.turns}-turn conversation ({label})",
+                    enabled=progress) as st:
+            result.update(_conversation(srv, maker, args, st))
+        if not stock:
+            stats = get_stats(srv)
+            if stats is None:
+                raise DemoFailed("GET /kvplugin/stats stopped answering during the "
+                                 f"conversation; server log tail:\n{srv.log_tail(30)}")
+            result["stats"] = stats
+        keep_log = False
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C / SIGTERM: the user stopped it
+        keep_log = False
+        raise
+    finally:
+        with Status(f"stopping {label}", enabled=progress and srv.proc is not None):
+            stop_quietly([srv])
+        result["memory"] = _memory(trace, result.get("marks", {}))
+        if not keep_log:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif srv.proc is not None and srv.log_path.exists():
+            say(f"the server's log is kept in {srv.log_path}")
+    return result
+
+
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything but the printing of the summary; returns the numbers (the ``--json`` data)."""
+    """Everything but the printing of the summary; returns the numbers (the ``--json`` data).
+
+    The same conversation runs on a stock server first, then on kvplugin, so every figure
+    printed has its stock counterpart beside it: stock mlx-lm caches prompts too, and its
+    speed-up is not kvplugin's.
+    """
     spec = host_spec(args.host)
     version = spec.check()
     if os.environ.get("KVPLUGIN_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
@@ -121,80 +247,15 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     progress = args.progress
     model_dir = prepare_model(args.model_dir, rebuild=args.rebuild_model, progress=progress)
     maker = TextMaker(model_dir)
-
-    port = args.port or hostproc.free_port()
-    host_args = [*kvplugin_flags(args.bits, args.min_quantize_tokens),
-                 *spec.budget_args(args.prompt_cache_bytes), *args.host_args]
-    cmd = spec.command(model_dir, port, host_args)
-    shown = " ".join([spec.label, *host_args])
-
-    def announce(server: ServerProcess) -> None:
-        if progress:
-            say(f"{spec.label} pid {server.pid} (process group {server.pid}) on {server.url}")
-
-    workdir = Path(tempfile.mkdtemp(prefix="kvplugin-demo-"))  # the server's HOME and log
-    srv = ServerProcess(cmd, port=port, env=dict(spec.env), model=spec.model, workdir=workdir,
-                        startup_timeout=args.startup_timeout,
-                        ready_check=_announcing_ready_check(announce), name=spec.label)
+    stock = _serve_once(spec, version, model_dir, maker, args, stock=True, progress=progress)
+    ours = _serve_once(spec, version, model_dir, maker, args, stock=False, progress=progress)
     result: dict[str, Any] = {
-        "host": spec.name, "host_version": version, "command": shown, "model_dir": str(model_dir),
-        "port": port, "turns": [], "bits": args.bits,
+        "host": spec.name, "host_version": version, "model_dir": str(model_dir),
+        "command": ours["command"], "stock_command": stock["command"],
+        "turns": ours["turns"], "one_token": ours["one_token"], "stats": ours["stats"],
+        "bits": args.bits, "budget_bytes": args.prompt_cache_bytes,
+        "stock": stock, "kvplugin": {k: v for k, v in ours.items() if k != "stats"},
     }
-    keep_log = True  # only when something went wrong
-    try:
-        try:
-            with Status(f"starting {spec.label} {version} on {srv.url}", enabled=progress):
-                srv.start()
-        except ServerStartError as err:
-            raise DemoFailed(f"{spec.label} did not start:\n{err}") from None
-        result["startup_s"] = srv.startup_seconds
-
-        stats0 = get_stats(srv)
-        if stats0 is None:
-            raise DemoFailed(_inactive_message(srv, spec))
-
-        with Status(f"holding a {args.turns}-turn conversation", enabled=progress) as st:
-            # A short unrelated request first: the server's first request pays one-time
-            # set-up costs that are not prefill; "cold" below is a prefix not in the cache.
-            timed_chat(srv, [{"role": "user", "content": "Hello."}], max_tokens=1)
-            system = ("You are the guide of a small river town. Answer visitors' questions "
-                      "from these notes. " + maker.text(args.system_tokens, "demo-system", "Notes"))
-            history: list[dict[str, str]] = [{"role": "system", "content": system}]
-            for t in range(args.turns):
-                st.note = f", turn {t + 1}/{args.turns}"
-                history.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
-                r = stream_chat(srv, history, max_tokens=args.max_tokens)
-                history.append({"role": "assistant", "content": r.text})
-                result["turns"].append({"turn": t + 1, **r.to_dict()})
-            # The same measurement with whole 1-token requests: a new system prompt of the
-            # same size (cold), then the same conversation's next turn (warm).
-            st.note = ", 1-token timing"
-            other = ("You are the guide of a small river town. Answer visitors' questions "
-                     "from these notes. " + maker.text(args.system_tokens, "demo-other", "Notes"))
-            conv = [{"role": "system", "content": other},
-                    {"role": "user", "content": QUESTIONS[0]}]
-            cold1 = timed_chat(srv, conv, max_tokens=1)
-            conv += [{"role": "assistant", "content": cold1.text},
-                     {"role": "user", "content": QUESTIONS[1]}]
-            warm1 = timed_chat(srv, conv, max_tokens=1)
-            result["one_token"] = {"cold": cold1.to_dict(), "warm": warm1.to_dict()}
-            st.note = ""
-        stats = get_stats(srv)
-        if stats is None:
-            raise DemoFailed("GET /kvplugin/stats stopped answering during the conversation; "
-                             f"server log tail:\n{srv.log_tail(30)}")
-        result["stats"] = stats
-        keep_log = False
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C / SIGTERM: the user stopped it
-        keep_log = False
-        raise
-    finally:
-        with Status(f"stopping {spec.label}", enabled=progress and srv.proc is not None):
-            stop_quietly([srv])
-        if not keep_log:
-            shutil.rmtree(workdir, ignore_errors=True)
-        elif srv.proc is not None and srv.log_path.exists():
-            say(f"the server's log is kept in {srv.log_path}")
     result["summary"] = _summary(result)
     return result
 
@@ -239,6 +300,26 @@ def _summary(result: Mapping[str, Any]) -> dict[str, Any]:
         "ttft_1tok_cold_s": one["cold"]["ttft_s"],
         "ttft_1tok_warm_s": one["warm"]["ttft_s"],
         "ttft_1tok_speedup": _speedup(one["cold"]["ttft_s"], one["warm"]["ttft_s"]),
+        "side_by_side": {name: _row(result[name], result.get("budget_bytes"))
+                         for name in ("stock", "kvplugin") if name in result},
+    }
+
+
+def _row(run: Mapping[str, Any], budget: int | None) -> dict[str, Any]:
+    """One server's comparable figures (the same measurement for stock and kvplugin)."""
+    turns = run.get("turns") or []
+    mem = run.get("memory") or {}
+    held = mem.get("held_after_bytes")
+    return {
+        "label": run.get("label"),
+        "held_after_bytes": held,
+        "conversations_in_budget": (int(budget // held) if budget and held and held > 0
+                                    else None),
+        "reuse_peak_over_bytes": mem.get("reuse_peak_over_bytes"),
+        "hwm_growth_bytes": mem.get("hwm_growth_bytes"),
+        "ttft_cold_s": turns[0]["ttft_s"] if turns else None,
+        "ttft_warm_s": _median([t["ttft_s"] for t in turns[1:]]),
+        "tokens_reused": sum(t.get("cached_tokens") or 0 for t in turns),
     }
 
 
@@ -291,10 +372,37 @@ def format_report(result: Mapping[str, Any]) -> str:
         spd = f"{sp:5.1f}x faster" if sp else "     -"
         return f"  {name:<16} cold {_ms(cold):>8}   warm {_ms(warm):>8}   {spd}   ({how})"
 
+    sbs = s.get("side_by_side") or {}
+    if "stock" in sbs and "kvplugin" in sbs:
+        st_, kv_ = sbs["stock"], sbs["kvplugin"]
+
+        def pair(name: str, key: str, fmt: Callable[[Any], str], how: str) -> str:
+            return f"  {name:<30} {fmt(st_[key]):>14} {fmt(kv_[key]):>16}   ({how})"
+
+        def n(x: Any) -> str:
+            return "-" if x is None else str(x)
+
+        out += [
+            "",
+            "stock vs kvplugin, the same conversation on each (every figure measured in this run):",
+            f"  {'':<30} {'stock':>14} {'with kvplugin':>16}",
+            pair("held after the conversation", "held_after_bytes", _fmt_bytes,
+                 "MLX active memory, end minus before turn 1, recorded in the server process"),
+            pair("conversations in the budget", "conversations_in_budget", n,
+                 f"the {_fmt_bytes(result.get('budget_bytes'))} prompt-cache budget / the line above"),
+            pair("peak above held, on reuse", "reuse_peak_over_bytes", _fmt_bytes,
+                 "MLX peak during turns 2.. minus active before turn 2, same recorder"),
+            pair("process high-water growth", "hwm_growth_bytes", _fmt_bytes,
+                 "VmHWM, end minus before turn 1"),
+            pair("first token, turn 1 (cold)", "ttft_cold_s", _ms, "streamed"),
+            pair("first token, later turns", "ttft_warm_s", _ms,
+                 "median; stock mlx-lm caches prompts too: this speed-up is not kvplugin's"),
+            pair("prompt tokens reused", "tokens_reused", n, "the servers' usage.cached_tokens"),
+        ]
     out += [
         "",
-        "time to first token (cold: the prompt's prefix is not cached; warm: the conversation "
-        "so far is):",
+        "time to first token with kvplugin (cold: the prompt's prefix is not cached; warm: the "
+        "conversation so far is; the speed-up is the prompt cache's, which stock has too):",
         row("streaming", s["ttft_stream_cold_s"], s["ttft_stream_warm_s"], s["ttft_stream_speedup"],
             "first streamed token; turn 1 vs median of later turns"),
         row("1-token request", s["ttft_1tok_cold_s"], s["ttft_1tok_warm_s"], s["ttft_1tok_speedup"],
