@@ -72,7 +72,7 @@ def test_demo_prints_what_kvplugin_did(demo_run):
     for row in ("held after the conversation", "conversations in the budget",
                 "peak above held, on reuse", "first token, later turns", "prompt tokens reused"):
         assert re.search(rf"{row}\s+\S+( \w+)?\s+\S+", out), (row, out)
-    assert "stock mlx-lm caches prompts too" in out
+    assert "the host's own prompt cache speeds stock up too" in out
     # progress on stderr: the model was built (fresh KVPLUGIN_HOME) and the server started
     assert "building the tiny model (once)" in r.stderr
     assert "starting mlx_lm.server" in r.stderr and ": done (" in r.stderr

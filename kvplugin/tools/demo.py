@@ -396,7 +396,7 @@ def format_report(result: Mapping[str, Any]) -> str:
                  "VmHWM, end minus before turn 1"),
             pair("first token, turn 1 (cold)", "ttft_cold_s", _ms, "streamed"),
             pair("first token, later turns", "ttft_warm_s", _ms,
-                 "median; stock mlx-lm caches prompts too: this speed-up is not kvplugin's"),
+                 "median; the host's own prompt cache speeds stock up too: compare the columns"),
             pair("prompt tokens reused", "tokens_reused", n, "the servers' usage.cached_tokens"),
         ]
     out += [
