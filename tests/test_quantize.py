@@ -183,3 +183,19 @@ def test_head_dim_of_a_real_mlx_lm_model():
     assert head_dim_of(model) == 16
     with pytest.raises(ValueError, match="16"):
         validate_group_size_for_model(model, 64)
+
+
+def test_mla_models_are_checked_against_their_real_cache_widths():
+    """DeepSeek-V3/Kimi-K2 cache the kv latent and the rope key, not heads: hidden/heads (56
+    for the real DeepSeek-V3) must not refuse a group size those widths accept."""
+    from types import SimpleNamespace as ns
+
+    from kvplugin.cache.quantize import cache_widths
+
+    mla = ns(args=ns(hidden_size=7168, num_attention_heads=128, kv_lora_rank=512,
+                     qk_rope_head_dim=64))
+    assert cache_widths(mla) == {"keys (kv latent)": 512, "values (rope key)": 64}
+    assert validate_group_size_for_model(mla, 64) == []
+    assert validate_group_size_for_model(mla, 128) == ["values (rope key) 64"]  # partial
+    with pytest.raises(ValueError, match="cache widths 48/96"):
+        validate_group_size_for_model(ns(args=ns(kv_lora_rank=96, qk_rope_head_dim=48)), 64)

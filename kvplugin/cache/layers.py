@@ -81,16 +81,26 @@ def entry_nbytes(cache: list) -> int:
     return sum(a.nbytes for layer in cache for a in entry_arrays(layer, seen))
 
 
-def entry_tokens(cache: list) -> int:
-    """Tokens the entry represents: the largest integer ``offset`` among its layers (0 if none).
+def entry_tokens(cache: list) -> int | None:
+    """Tokens the entry represents: the largest integer ``offset`` among its layers, nested
+    ``CacheList`` children included; ``None`` when no layer records one.
 
     For a rotating layer this is the number of tokens processed, not the slots it holds.
+    Recurrent-state layers (``ArraysCache``: Mamba, the linear layers of Qwen3-Next) hold a
+    fixed-size state and no token count at all: an entry made only of them cannot say how
+    many tokens it holds, and the host's token list is what keys it (``None``).
     """
-    best = 0
-    for layer in cache:
+    best: int | None = None
+    stack = list(cache)
+    while stack:
+        layer = stack.pop()
+        children = getattr(layer, "caches", None)
+        if isinstance(children, (list, tuple)):
+            stack.extend(children)
+            continue
         off = getattr(layer, "offset", None)
         if isinstance(off, int) and not isinstance(off, bool):
-            best = max(best, off)
+            best = off if best is None else max(best, off)
     return best
 
 

@@ -112,24 +112,57 @@ def head_dim_of(model: Any) -> int | None:
     return None
 
 
-def validate_group_size_for_model(model: Any, group_size: int) -> None:
-    """Raise ``ValueError`` when ``group_size`` does not divide the model's head dimension.
+def cache_widths(model: Any) -> dict[str, int] | None:
+    """Last-axis widths of what the model's attention layers put in their caches, by role.
 
-    ``mx.quantize`` needs the group size to divide the last dimension; a host that does not check
-    rejects every store later, silently. Does nothing when the head dimension is unknown.
+    Why not the head dimension: MLA models (DeepSeek-V2/V3, Kimi-K2) cache the compressed KV
+    latent (``kv_lora_rank`` wide) in the keys slot and the rope key (``qk_rope_head_dim``)
+    in the values slot, while ``hidden_size / num_attention_heads`` (56 for DeepSeek-V3) is
+    not a cache width at all. None when unknown (then :func:`quantize_entry` still checks
+    each layer's arrays, and skips what it cannot quantize).
     """
-    head_dim = head_dim_of(model)
-    if head_dim is None or head_dim % group_size == 0:
-        return
-    fits = [g for g in ALLOWED_GROUP_SIZES if head_dim % g == 0]
+    args = _field(model, "args")
+    if args is None:
+        lm = _field(model, "language_model")
+        args = _field(lm, "args") if lm is not None else None
+    for cfg in (args, _field(args, "text_config") if args is not None else None):
+        if cfg is None:
+            continue
+        latent, rope = _pos_int(_field(cfg, "kv_lora_rank")), _pos_int(_field(cfg, "qk_rope_head_dim"))
+        if latent and rope:
+            return {"keys (kv latent)": latent, "values (rope key)": rope}
+        head_dim = head_dim_of({"args": cfg})
+        if head_dim:
+            return {"keys": head_dim, "values": _pos_int(_field(cfg, "v_head_dim")) or head_dim}
+    return None
+
+
+def validate_group_size_for_model(model: Any, group_size: int) -> list[str]:
+    """Check ``group_size`` against the widths the model's cache really holds.
+
+    ``mx.quantize`` needs the group size to divide the last dimension. Raises ``ValueError``
+    only when it divides *none* of them (nothing could be stored quantized: a silent no-op
+    otherwise); returns the widths it does not divide, which stay full precision (the caller
+    says so once). Does nothing when the widths are unknown.
+    """
+    widths = cache_widths(model)
+    if not widths:
+        return []
+    left = [f"{role} {w}" for role, w in widths.items() if w % group_size]
+    if len(left) < len(widths):
+        return left
+    dims = sorted(set(widths.values()))
+    fits = [g for g in ALLOWED_GROUP_SIZES if any(d % g == 0 for d in dims)]
     advice = (
         "use one of: " + ", ".join(map(str, fits))
         if fits
         else f"none of the supported group sizes {ALLOWED_GROUP_SIZES} does, so KV cache "
         "quantization cannot be used with this model"
     )
+    what = "head dimension" if set(widths) == {"keys", "values"} else "cache widths"
     raise ValueError(
-        f"group size {group_size} does not divide the model's head dimension {head_dim}; {advice}"
+        f"group size {group_size} does not divide the model's {what} "
+        f"{'/'.join(map(str, dims))}; {advice}"
     )
 
 

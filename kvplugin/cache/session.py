@@ -240,8 +240,8 @@ class KVService:
     def key_for_cache(cache: list, tokens: list[int]) -> list[int] | None:
         """The store key that matches what ``cache`` really holds, or ``None`` to skip."""
         held = entry_tokens(cache)
-        if held == len(tokens):
-            return tokens
+        if held is None or held == len(tokens):
+            return tokens  # no layer counts tokens (recurrent state): the host's key stands
         if held <= 0:
             return None
         if held < len(tokens):
@@ -443,7 +443,13 @@ def model_problem(model: Any, settings: KVPluginSettings | None,
 
     group = settings.kv_cache_quantization_group_size
     try:
-        validate_group_size_for_model(model, group)
+        left = validate_group_size_for_model(model, group)
+        if left:
+            from kvplugin.log import say
+
+            say(f"--kv-cache-quantization-group-size {group} does not divide the cache's "
+                f"{', '.join(left)}: those stay full precision, the rest is quantized",
+                key=f"group-partial:{group}:{left}")
     except ValueError as exc:
         info = option_info(_GROUP_FIELD)
         if _GROUP_FIELD in given_flags:

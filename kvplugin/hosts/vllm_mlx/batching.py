@@ -176,6 +176,7 @@ class KVPrefixCache:
             from kvplugin.cache.layers import entry_tokens
 
             held = entry_tokens(cache)
+            held = len(tokens) if held is None else held  # recurrent state: the host's key
             if held > len(tokens) or held < self._min_tokens:
                 return None
             entry = self._service.prepare_entry(list(cache), held)
