@@ -87,19 +87,25 @@ def _pos_int(x: Any) -> int | None:
     return x if _is_int(x) and x > 0 else None
 
 
+def _configs(model: Any) -> list[Any]:
+    """The model's ``args`` (or its language model's), then their ``text_config``."""
+    args = _field(model, "args")
+    if args is None:
+        lm = _field(model, "language_model")
+        args = _field(lm, "args") if lm is not None else None
+    if args is None:
+        return []
+    text = _field(args, "text_config")
+    return [args] if text is None else [args, text]
+
+
 def head_dim_of(model: Any) -> int | None:
     """The attention head dimension from ``model.args`` (or a nested ``text_config``).
 
     ``head_dim`` when given, else ``hidden_size // num_attention_heads``; None when unknown
     (then callers skip the check and :func:`quantize_entry` still checks each layer's arrays).
     """
-    args = _field(model, "args")
-    if args is None:
-        lm = _field(model, "language_model")
-        args = _field(lm, "args") if lm is not None else None
-    for cfg in (args, _field(args, "text_config") if args is not None else None):
-        if cfg is None:
-            continue
+    for cfg in _configs(model):
         head_dim = _pos_int(_field(cfg, "head_dim"))
         if head_dim:
             return head_dim
@@ -121,13 +127,7 @@ def cache_widths(model: Any) -> dict[str, int] | None:
     not a cache width at all. None when unknown (then :func:`quantize_entry` still checks
     each layer's arrays, and skips what it cannot quantize).
     """
-    args = _field(model, "args")
-    if args is None:
-        lm = _field(model, "language_model")
-        args = _field(lm, "args") if lm is not None else None
-    for cfg in (args, _field(args, "text_config") if args is not None else None):
-        if cfg is None:
-            continue
+    for cfg in _configs(model):
         latent, rope = _pos_int(_field(cfg, "kv_lora_rank")), _pos_int(_field(cfg, "qk_rope_head_dim"))
         if latent and rope:
             return {"keys (kv latent)": latent, "values (rope key)": rope}

@@ -12,15 +12,12 @@ is 56, not a multiple of 64, as in the real DeepSeek-V3).
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from packaging.version import Version
 
 VERSION = 1
-_MARKER = ".kvplugin-family-model"
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "mamba": {
@@ -49,25 +46,12 @@ def available(family: str, mlx_lm_version: str) -> bool:
 
 def build_family_model(family: str, directory: Path | None = None, *, seed: int = 0) -> Path:
     """Build (or reuse) the tiny ``family`` model; returns its directory."""
-    import mlx.core as mx
-    import mlx_lm.utils as mlx_utils
+    from kvplugin.tools.models.tiny import build_derived_model, kvplugin_home
 
-    from kvplugin.tools.models.tiny import build_lock, build_tiny_model, kvplugin_home
+    def make(target: Path, tiny_cfg: dict) -> None:
+        import mlx.core as mx
+        import mlx_lm.utils as mlx_utils
 
-    directory = Path(directory or kvplugin_home() / f"family-{family}-v{VERSION}")
-    directory = directory.expanduser().resolve()
-    marker = directory / _MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("seed") == seed:
-        return directory
-    with build_lock(directory):
-        if marker.is_file() and json.loads(marker.read_text()).get("seed") == seed:
-            return directory
-        tiny = build_tiny_model(directory.parent / f".{directory.name}-tokenizer")
-        tiny_cfg = json.loads((tiny / "config.json").read_text())
-        directory.mkdir(parents=True, exist_ok=True)
-        for f in tiny.iterdir():
-            if f.suffix == ".json" and f.name not in ("config.json", "model.safetensors.index.json"):
-                shutil.copy(f, directory / f.name)
         cfg = dict(FAMILIES[family]["config"], vocab_size=tiny_cfg["vocab_size"],
                    torch_dtype="float32")
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -76,7 +60,8 @@ def build_family_model(family: str, directory: Path | None = None, *, seed: int 
         model_cls, args_cls = mlx_utils._get_classes(cfg)
         model = model_cls(args_cls.from_dict(cfg))
         mx.eval(model.parameters())
-        mlx_utils.save_model(directory, model)
-        mlx_utils.save_config(cfg, config_path=directory / "config.json")
-        marker.write_text(json.dumps({"version": VERSION, "seed": seed, "family": family}))
-    return directory
+        mlx_utils.save_model(target, model)
+        mlx_utils.save_config(cfg, config_path=target / "config.json")
+
+    target = directory or kvplugin_home() / f"family-{family}-v{VERSION}"
+    return build_derived_model(Path(target), seed, make, label=f"family-{family}-v{VERSION}")

@@ -8,13 +8,10 @@ tiny model's. Built offline, reproducibly, once per cache directory.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 LAYERS, HEAD_DIM, HIDDEN, INTERMEDIATE = 32, 64, 64, 128
 VERSION = 1
-_MARKER = ".kvplugin-kv-heavy"
 
 
 def config(tiny_config: dict) -> dict:
@@ -29,27 +26,16 @@ def config(tiny_config: dict) -> dict:
 
 def build_kv_heavy_model(directory: Path | None = None, *, seed: int = 0) -> Path:
     """Build (or reuse) the model in ``directory`` (default: under kvplugin's home)."""
-    import mlx.core as mx
-    import numpy as np
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
-    from mlx_lm.utils import save_config, save_model
+    from kvplugin.tools.models.tiny import build_derived_model, kvplugin_home
 
-    from kvplugin.tools.models.tiny import build_lock, build_tiny_model, kvplugin_home
+    def make(target: Path, tiny_cfg: dict) -> None:
+        import mlx.core as mx
+        import numpy as np
+        from mlx.utils import tree_flatten
+        from mlx_lm.models.llama import Model, ModelArgs
+        from mlx_lm.utils import save_config, save_model
 
-    directory = Path(directory or kvplugin_home() / f"kv-heavy-v{VERSION}").expanduser().resolve()
-    marker = directory / _MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("seed") == seed:
-        return directory
-    with build_lock(directory):
-        if marker.is_file() and json.loads(marker.read_text()).get("seed") == seed:
-            return directory
-        tiny = build_tiny_model(directory.parent / f".{directory.name}-tokenizer")
-        directory.mkdir(parents=True, exist_ok=True)
-        for f in tiny.iterdir():
-            if f.suffix == ".json" and f.name not in ("config.json", "model.safetensors.index.json"):
-                shutil.copy(f, directory / f.name)
-        cfg = config(json.loads((tiny / "config.json").read_text()))
+        cfg = config(tiny_cfg)
         model = Model(ModelArgs.from_dict(cfg))
         rng = np.random.default_rng(seed)
         weights = []
@@ -57,11 +43,13 @@ def build_kv_heavy_model(directory: Path | None = None, *, seed: int = 0) -> Pat
             if name.endswith("norm.weight"):
                 w = np.ones(value.shape, np.float32)
             else:
-                w = rng.standard_normal(value.shape).astype(np.float32) * (2.0 / np.sqrt(value.shape[-1]))
+                scale = 2.0 / np.sqrt(value.shape[-1])
+                w = rng.standard_normal(value.shape).astype(np.float32) * scale
             weights.append((name, mx.array(w)))
         model.load_weights(weights)
         mx.eval(model.parameters())
-        save_model(directory, model)
-        save_config(cfg, config_path=directory / "config.json")
-        marker.write_text(json.dumps({"version": VERSION, "seed": seed}))
-    return directory
+        save_model(target, model)
+        save_config(cfg, config_path=target / "config.json")
+
+    target = directory or kvplugin_home() / f"kv-heavy-v{VERSION}"
+    return build_derived_model(Path(target), seed, make, label=f"kv-heavy-v{VERSION}")

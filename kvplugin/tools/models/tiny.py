@@ -432,3 +432,37 @@ def _main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main())
+
+
+def build_derived_model(directory: Path, seed: int, make: Any, *, label: str) -> Path:
+    """Build (once) a model that shares the tiny model's tokenizer but not its weights.
+
+    ``make(directory, tiny_config)`` writes ``config.json`` and the weights; this writes the
+    tokenizer files, takes the build lock and writes the completeness marker last, so a
+    half-built directory is rebuilt. Used by the KV-heavy and the family models.
+    """
+    import shutil
+
+    directory = Path(directory).expanduser().resolve()
+    marker = directory / ".kvplugin-derived-model"
+
+    def complete() -> bool:
+        try:
+            return json.loads(marker.read_text()) == {"label": label, "seed": seed}
+        except (OSError, ValueError):
+            return False
+
+    if complete():
+        return directory
+    with build_lock(directory):
+        if complete():
+            return directory
+        tiny = build_tiny_model(directory.parent / f".{directory.name}-tokenizer")
+        directory.mkdir(parents=True, exist_ok=True)
+        for f in tiny.iterdir():
+            if f.suffix == ".json" and f.name not in ("config.json",
+                                                      "model.safetensors.index.json"):
+                shutil.copy(f, directory / f.name)
+        make(directory, json.loads((tiny / "config.json").read_text()))
+        marker.write_text(json.dumps({"label": label, "seed": seed}))
+    return directory
