@@ -61,3 +61,36 @@ def test_evictions_spill_and_survive_a_restart(tiny_model, tmp_path_factory, ssd
         assert answer_text(again) == answer_text(known)  # fp16 round trip through the file
     finally:
         second.stop()
+
+
+def test_flipped_bytes_in_an_entry_are_never_served(tiny_model, tmp_path_factory, ssd_dir):
+    """Damage inside an entry file's key data, as a failing disk makes it: the next server
+    answers exactly as stock does (a miss, not the damaged prefix) and counts it."""
+    import json
+    import struct
+
+    files = sorted(ssd_dir.rglob("*.safetensors"))
+    assert files  # left by the test above
+    for path in files:
+        raw = path.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        start, _ = json.loads(raw[8:8 + n])["l0.keys"]["data_offsets"]
+        pos = 8 + n + start + 64
+        path.write_bytes(raw[:pos] + bytes(b ^ 0x5A for b in raw[pos:pos + 64]) + raw[pos + 64:])
+    port = harness.free_port()
+    stock = harness.ServerProcess(harness.mlx_lm_server_cmd(tiny_model, port), port=port,
+                                  env={"KVPLUGIN_DISABLE": "1"},
+                                  workdir=tmp_path_factory.mktemp("stock")).start()
+    try:
+        want = answer_text(stock.chat(KNOWN, max_tokens=8))
+    finally:
+        stock.stop()
+    third = _start(tiny_model, tmp_path_factory, ssd_dir)
+    try:
+        got = third.chat(KNOWN, max_tokens=8)
+        assert answer_text(got) == want
+        assert not cached_tokens(got)  # the damaged prefix was not reused
+        stats = third.get("/kvplugin/stats")
+        assert stats["cold_corrupt"] >= 1 and stats["store_cold_hits"] == 0, stats
+    finally:
+        third.stop()

@@ -374,10 +374,24 @@ class KVService:
              "min_tokens": s.kv_cache_min_quantize_tokens}
             if s.kv_cache_quantization else None
         )
+        tier = self._cold_tier_stats()
+        out["cold_tier"] = tier  # the cold tier's own counters; None: no cold tier
+        out["cold_corrupt"] = tier.get("corrupt") if tier else None
         out["host"] = self.host
         out["hot_cache_only"] = s.hot_cache_only
         out["max_kv_size"] = s.max_kv_size
         return out
+
+    def _cold_tier_stats(self) -> dict[str, Any] | None:
+        cold = self.store.cold
+        cold = getattr(cold, "tier", cold)  # past the shut-down-only wrapper
+        stats = getattr(cold, "stats", None)
+        if not callable(stats):
+            return None
+        try:
+            return dict(stats())
+        except Exception:  # reporting must never fail a request
+            return None
 
     def report(self, **host_fields: Any) -> dict[str, Any]:
         """:meth:`stats` plus every stored entry, from one consistent snapshot, plus the
