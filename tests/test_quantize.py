@@ -93,12 +93,14 @@ def test_quantize_entry_layers_and_counts():
     entry = [plain, rotating, ArraysCache(2), native, KVCache(), narrow]
     res = quantize_entry(entry, bits=8, group_size=64)
     assert isinstance(res, QuantizeResult)
-    assert (res.quantized, res.skipped) == (1, 5)
+    # rotating layers are quantized too now (they were skipped: (1, 5) before)
+    assert (res.quantized, res.skipped) == (2, 4)
     q = res.cache[0]
     assert type(q) is QuantizedKVCache and hasattr(q, "bits")
     assert (q.bits, q.group_size, q.offset) == (8, 64, 300)
     assert all(x.shape[2] == 300 for x in q.keys + q.values)
-    assert all(o is i for o, i in zip(res.cache[1:], entry[1:]))
+    assert type(res.cache[1]).__name__ == "QuantizedRotatingKVCache"
+    assert all(o is i for o, i in zip(res.cache[2:], entry[2:]))
     assert res.cache is not entry and entry[0] is plain and plain.keys.shape[2] == 512
     with pytest.raises(ValueError):
         quantize_entry(entry, bits=7, group_size=64)

@@ -122,10 +122,9 @@ def dense_nbytes(layer: Any) -> int:
     total = 0
     scales = keys[1] if len(keys) > 1 else None
     dtype_size = scales.dtype.size if scales is not None else 2
-    n = int(getattr(layer, "offset", 0) or 0)
     for parts in (layer.keys, layer.values):
-        *lead, _, packed_dim = parts[0].shape
-        count = n * (packed_dim * 32 // bits)
+        *lead, slots, packed_dim = parts[0].shape  # slots held (a trimmed entry: its tokens)
+        count = slots * (packed_dim * 32 // bits)
         for d in lead:
             count *= d
         total += count * dtype_size

@@ -50,9 +50,10 @@ DTYPE_ATTR = "kvplugin_dtype"
 class QuantizeResult:
     """Outcome of :func:`quantize_entry`.
 
-    ``cache`` is a new list; ``quantized`` counts layers turned into ``QuantizedKVCache``;
-    ``skipped`` counts layers left as they were (rotating, recurrent, already quantized, empty,
-    head dimension not divisible by the group size, unknown kinds).
+    ``cache`` is a new list (the input itself with ``consume``); ``quantized`` counts layers
+    turned into ``QuantizedKVCache`` or, for rotating layers, ``QuantizedRotatingKVCache``;
+    ``skipped`` counts layers left as they were (recurrent, already quantized, empty, head
+    dimension not divisible by the group size, unknown kinds).
     """
 
     cache: list
@@ -182,11 +183,12 @@ def _quantize_layer(layer: KVCache, bits: int, group_size: int) -> QuantizedKVCa
 def quantize_entry(
     cache: list, *, bits: int, group_size: int, consume: bool = False
 ) -> QuantizeResult:
-    """Quantize the plain ``KVCache`` layers of an entry to exact-size ``QuantizedKVCache``.
+    """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
+    rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
+    (:mod:`kvplugin.cache.quantize_rotating`), which gives back the same rotating layer.
 
     Only the ``offset`` used slots are quantized (no separate trim needed). Everything else is
-    left as it is and counted in ``skipped``: ``RotatingKVCache`` (mlx-lm cannot quantize it),
-    ``ArraysCache``/recurrent state, layers already ``QuantizedKVCache`` (e.g. from mlx-lm's
+    left as it is and counted in ``skipped``: ``ArraysCache``/recurrent state, layers already ``QuantizedKVCache`` (e.g. from mlx-lm's
     ``--kv-bits``; never quantized twice), empty layers, layers whose key/value last dimension
     is not divisible by ``group_size``, and unknown kinds. Each new layer is evaluated as soon as
     it is made; with ``consume`` it also replaces the original in ``cache`` right away, so the
@@ -195,14 +197,19 @@ def quantize_entry(
     validate_bits_group(bits, group_size)
     out = cache if consume else list(cache)
     quantized = skipped = 0
+    from kvplugin.cache.quantize_rotating import is_rotating_quantizable, quantize_rotating
+
     for i, layer in enumerate(cache):
         if is_quantizable(layer, group_size):
             q = _quantize_layer(layer, bits, group_size)
-            mx.eval(q.keys + q.values)
-            out[i] = q
-            quantized += 1
+        elif is_rotating_quantizable(layer, group_size):
+            q = quantize_rotating(layer, bits, group_size)
         else:
             skipped += 1
+            continue
+        mx.eval(q.keys + q.values)
+        out[i] = q
+        quantized += 1
     return QuantizeResult(cache=out, quantized=quantized, skipped=skipped)
 
 
@@ -234,8 +241,13 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
     as it is made; with ``consume`` it replaces the quantized layer in ``cache`` at once, so
     the transient is one layer rather than the whole quantized entry.
     """
+    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, dequantize_rotating
+
     out = cache if consume else list(cache)
     for i, layer in enumerate(cache):
+        if type(layer) is QuantizedRotatingKVCache:
+            out[i] = dequantize_rotating(layer)
+            continue
         if type(layer) is not QuantizedKVCache:
             continue
         kv = KVCache()

@@ -1,0 +1,98 @@
+"""Rotating (sliding-window, ``--max-kv-size``) layers stored quantized.
+
+Why: mlx-lm's ``QuantizedKVCache`` only describes a linear cache (slots ``[0, offset)``), so
+rotating layers used to be stored at full precision: with ``--max-kv-size`` and
+``--kv-cache-quantization`` the start-up line said "4-bit entries" and none was quantized,
+and the sliding-window layers of Gemma 3 or gpt-oss never were. A rotating layer's slots are
+quantized here as they are (whatever their ring order), with what is needed to give back
+the very same class, slots, ``_idx``, ``offset``, ``keep`` and ``max_size`` on reuse.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
+
+from kvplugin.cache.layers import LayerKind, register_kind
+
+__all__ = ["QuantizedRotatingKVCache", "quantize_rotating", "dequantize_rotating",
+           "is_rotating_quantizable"]
+
+
+class QuantizedRotatingKVCache:
+    """A stored rotating layer: packed slots + scales/biases, and how to restore it.
+
+    Not a cache the host can run (it is only ever in the store): ``offset`` is the tokens the
+    layer has seen, ``keys[0].shape[-2]`` the slots it holds.
+    """
+
+    def __init__(self) -> None:
+        self.keys: tuple | None = None
+        self.values: tuple | None = None
+        self.offset = 0
+        self.max_size = 0
+        self.keep = 0
+        self._idx = 0
+        self.bits = 8
+        self.group_size = 64
+        self.dtype_name = "float16"
+        self.cls = "mlx_lm.models.cache:RotatingKVCache"
+        self.step: int | None = None
+
+    def is_trimmable(self) -> bool:  # a wrapped ring cannot lose its last tokens
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for part in (self.keys or ()) + (self.values or ()) for a in [part])
+
+
+register_kind(QuantizedRotatingKVCache,
+              LayerKind("QuantizedRotatingKVCache", lambda layer: True, lambda layer: layer))
+
+
+def is_rotating_quantizable(layer: Any, group_size: int) -> bool:
+    return (
+        isinstance(layer, RotatingKVCache)
+        and layer.keys is not None
+        and layer.offset > 0
+        and layer.keys.shape[-1] % group_size == 0
+        and layer.values.shape[-1] % group_size == 0
+    )
+
+
+def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int) -> QuantizedRotatingKVCache:
+    q = QuantizedRotatingKVCache()
+    q.keys = tuple(mx.quantize(layer.keys, group_size=group_size, bits=bits))
+    q.values = tuple(mx.quantize(layer.values, group_size=group_size, bits=bits))
+    q.offset, q.max_size, q.keep, q._idx = layer.offset, layer.max_size, layer.keep, layer._idx
+    q.bits, q.group_size = bits, group_size
+    q.dtype_name = str(layer.keys.dtype).rsplit(".", 1)[-1]
+    q.cls = f"{type(layer).__module__}:{type(layer).__qualname__}"
+    q.step = vars(layer).get("step")
+    return q
+
+
+def _resolve(spec: str) -> type:
+    module, _, name = spec.partition(":")
+    cls = getattr(importlib.import_module(module), name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, RotatingKVCache) else RotatingKVCache
+
+
+def dequantize_rotating(q: QuantizedRotatingKVCache) -> RotatingKVCache:
+    """The same rotating layer back, full precision, evaluated."""
+    cls = _resolve(q.cls)
+    layer = cls.__new__(cls)
+    RotatingKVCache.__init__(layer, q.max_size, q.keep)
+    dtype = getattr(mx, q.dtype_name, mx.float16)
+    keys = mx.dequantize(*q.keys, group_size=q.group_size, bits=q.bits).astype(dtype)
+    values = mx.dequantize(*q.values, group_size=q.group_size, bits=q.bits).astype(dtype)
+    mx.eval(keys, values)
+    layer.keys, layer.values = keys, values
+    layer.offset, layer._idx = q.offset, q._idx
+    if q.step is not None:
+        layer.step = q.step
+    return layer

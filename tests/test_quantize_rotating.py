@@ -1,0 +1,59 @@
+"""Rotating layers (sliding windows, ``--max-kv-size``) are stored quantized and come back as
+the same layer: class, slots in ring order, ``_idx``, ``offset``, ``keep``, ``max_size``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import RotatingKVCache
+
+from kvplugin.cache.layers import entry_nbytes, layer_bits
+from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
+from kvplugin.cache.quantize import dequantize_entry, quantize_entry
+from kvplugin.cache.session import KVService
+from kvplugin.cache.trim import trim_entry
+from kvplugin.plugins import create_plugin_manager
+from kvplugin.settings import resolve_settings
+
+
+def rotating(cls, n: int, max_size: int = 64, keep: int = 4):
+    layer = cls(max_size, keep)
+    for i in range(n):  # one token at a time: wraps in place past max_size
+        k = mx.random.normal((1, 2, 1, 64), key=mx.random.key(i)).astype(mx.float16)
+        layer.update_and_fetch(k, k * 0.5)
+    mx.eval(layer.keys, layer.values)
+    return layer
+
+
+@pytest.mark.parametrize("cls", [RotatingKVCache, PreallocatedRotatingKVCache])
+@pytest.mark.parametrize("n", [40, 150])  # before and after the ring wraps
+def test_round_trip_gives_back_the_same_rotating_layer(cls, n):
+    layer = trim_entry([rotating(cls, n)])[0]
+    res = quantize_entry([layer], bits=8, group_size=64)
+    assert res.quantized == 1 and layer_bits(res.cache[0]) == 8
+    assert entry_nbytes(res.cache) < 0.6 * entry_nbytes([layer])
+    (back,) = dequantize_entry(res.cache)
+    assert type(back) is cls
+    assert (back.offset, back._idx, back.keep, back.max_size) == (
+        layer.offset, layer._idx, layer.keep, layer.max_size)
+    assert back.keys.shape == layer.keys.shape and back.keys.dtype == layer.keys.dtype
+    err = mx.abs(back.keys.astype(mx.float32) - layer.keys.astype(mx.float32)).max().item()
+    assert err < 0.05
+    # it keeps working as a cache: the next token goes where the original's would
+    k = mx.ones((1, 2, 1, 64), dtype=mx.float16)
+    a, _ = layer.update_and_fetch(k, k)
+    b, _ = back.update_and_fetch(k, k)
+    assert a.shape == b.shape and back.offset == layer.offset
+
+
+def test_bounded_entries_are_stored_quantized_through_the_session():
+    pm = create_plugin_manager(load_entry_points=False)
+    svc = KVService(resolve_settings({"kv_cache_quantization": True, "max_kv_size": 64,
+                                      "kv_cache_min_quantize_tokens": 0}),
+                    host="test", hook=pm.hook, max_bytes=1 << 40)
+    tokens = list(range(150))
+    svc.fetch("m", tokens)
+    assert svc.give_back("m", tokens, [rotating(PreallocatedRotatingKVCache, 150)])
+    assert svc.stats()["entries_quantized"] == 1
+    got, n = svc.fetch("m", tokens + [1])
+    assert n == 150 and type(got[0]) is PreallocatedRotatingKVCache
