@@ -62,3 +62,17 @@ def test_cache_list_entry_is_stored_with_its_real_length():
     assert svc.give_back("m", tokens, [CacheList(kv(30), kv(30))])
     got, n = svc.fetch("m", tokens + [1])
     assert n == 30 and isinstance(got[0], CacheList)
+
+
+def test_a_cache_that_cannot_be_stored_is_counted_and_named(capsys):
+    from kvplugin import log
+
+    log.forget()
+    svc = session()
+    state = ArraysCache(2)  # a layer that neither counts tokens nor can be trimmed...
+    layer = kv(40)  # ...next to one holding more tokens than the key: cannot be cut
+    assert not svc.give_back("m", list(range(30)), [layer, state])
+    stats = svc.stats()
+    assert stats["entries_rejected"] == 1
+    assert stats["rejected_by_kind"] == {"ArraysCache,KVCache": 1}
+    assert "ArraysCache,KVCache layers was not stored" in capsys.readouterr().err

@@ -52,6 +52,7 @@ class Counters:
     bytes_stored: int = 0  # what kvplugin stored (trimmed, maybe quantized)
     caches_made: int = 0
     caches_bounded: int = 0
+    entries_rejected: int = 0  # finished caches kvplugin could not store (see rejected_by_kind)
 
     @property
     def bytes_saved(self) -> int:
@@ -126,6 +127,7 @@ class KVService:
         # (length, hash) of the prompts of recent fetches: a finished cache whose key starts
         # with one of them holds that prompt plus generated tokens (see _prompt_len).
         self._recent_prompts: deque[tuple[int, int]] = deque(maxlen=64)
+        self._rejected_by_kind: dict[str, int] = {}
         cold = None if settings.hot_cache_only else hook.kvplugin_store_backend(settings=settings)
         self.store = PromptStore(
             max_bytes=max_bytes if max_bytes is not None else _UNLIMITED,
@@ -232,9 +234,22 @@ class KVService:
         a wrong key would hand one conversation's KV to another. False: not stored.
         """
         key = self.key_for_cache(cache, list(tokens))
-        if key is None or len(key) < min_tokens:
+        if key is None:
+            self._reject(cache, "it holds more tokens than its key and cannot be trimmed")
+            return False
+        if len(key) < min_tokens:
             return False
         return self.insert(model_key, key, cache)
+
+    def _reject(self, cache: list, why: str) -> None:
+        """A cache that cannot be stored is counted by layer kind and said once, never silent."""
+        kinds = ",".join(sorted({type(layer).__name__ for layer in cache})) or "empty"
+        with self._lock:
+            self.counters.entries_rejected += 1
+            self._rejected_by_kind[kinds] = self._rejected_by_kind.get(kinds, 0) + 1
+        from kvplugin.log import say
+
+        say(f"an entry of {kinds} layers was not stored: {why}", key=f"reject:{kinds}:{why}")
 
     @staticmethod
     def key_for_cache(cache: list, tokens: list[int]) -> list[int] | None:
@@ -365,6 +380,7 @@ class KVService:
         with self._lock:
             out: dict[str, Any] = asdict(self.counters)
             out["bytes_saved"] = self.counters.bytes_saved
+            out["rejected_by_kind"] = dict(self._rejected_by_kind)
         store = asdict(store_stats if store_stats is not None else self.store.stats())
         out.update({f"store_{k}": v for k, v in store.items()})
         s = self.settings
