@@ -52,9 +52,11 @@ class Reply:
 
 
 def _body(srv: ServerProcess, messages: Sequence[Mapping[str, Any]], max_tokens: int,
-          stream: bool) -> dict[str, Any]:
+          stream: bool, seed: int | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"messages": list(messages), "max_tokens": max_tokens,
                             "temperature": 0.0, "stream": stream}
+    if seed is not None:  # mlx-lm serves seeded requests on its sequential path
+        body["seed"] = seed
     if stream:
         body["stream_options"] = {"include_usage": True}
     if srv.model is not None:
@@ -73,9 +75,9 @@ def _usage(reply: Reply, usage: Mapping[str, Any] | None) -> None:
 
 
 def stream_chat(srv: ServerProcess, messages: Sequence[Mapping[str, Any]], max_tokens: int = 16,
-                timeout: float | None = None) -> Reply:
+                timeout: float | None = None, seed: int | None = None) -> Reply:
     """POST a streamed chat completion; time the first and every content chunk."""
-    data = json.dumps(_body(srv, messages, max_tokens, True)).encode()
+    data = json.dumps(_body(srv, messages, max_tokens, True, seed)).encode()
     req = urllib.request.Request(srv.url + "/v1/chat/completions", data=data, method="POST",
                                  headers={"Content-Type": "application/json"})
     reply = Reply()

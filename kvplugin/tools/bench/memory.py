@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -110,52 +109,17 @@ def kv_bytes_per_token(model_dir: Path) -> int:
     return 2 * layers * kv_heads * head_dim * itemsize
 
 
-def stream_chat(url: str, messages: list[dict], max_tokens: int, model: str | None,
-                seed: int | None = None) -> TurnResult:
-    """One streamed, greedy chat request: time to the first content chunk, decode rate."""
-    body: dict[str, Any] = {
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if model is not None:
-        body["model"] = model
-    if seed is not None:  # mlx-lm serves seeded requests on its sequential path
-        body["seed"] = seed
-    request = urllib.request.Request(
-        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+def _turn(server: Any, messages: list[dict], max_tokens: int, seed: int | None) -> TurnResult:
+    """One streamed greedy request through the shared client, as wall-clock marks."""
+    from kvplugin.tools.client import stream_chat
+
     start = time.time()
-    first = None
-    chunks: list[str] = []
-    usage: dict[str, Any] = {}
-    with urllib.request.urlopen(request, timeout=1800) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[5:])
-            usage = data.get("usage") or usage
-            for choice in data.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    first = first or time.time()
-                    chunks.append(piece)
-    end = time.time()
-    first = first or end
-    n = len(chunks)
-    details = usage.get("prompt_tokens_details") or {}
-    return TurnResult(
-        start=start,
-        end=end,
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        cached_tokens=details.get("cached_tokens"),
-        ttft_s=first - start,
-        decode_tok_s=(n - 1) / (end - first) if n > 1 and end > first else None,
-        text="".join(chunks),
-    )
+    reply = stream_chat(server, messages, max_tokens=max_tokens, seed=seed)
+    return TurnResult(start=start, end=start + reply.total_s,
+                      prompt_tokens=int(reply.prompt_tokens or 0),
+                      cached_tokens=reply.cached_tokens,
+                      ttft_s=reply.ttft_s if reply.ttft_s is not None else reply.total_s,
+                      decode_tok_s=reply.decode_tps, text=reply.text)
 
 
 def run_one(
@@ -199,12 +163,12 @@ def run_one(
                        startup_timeout=300, name=key) as server:
         # Warm-up: a short unrelated request, so lazily loaded weights and the first graph are
         # in memory before the baseline is taken (then growth is the conversation's alone).
-        stream_chat(server.url, [{"role": "user", "content": "Hello."}], 2, server.model, seed)
+        _turn(server, [{"role": "user", "content": "Hello."}], 2, seed)
         time.sleep(0.1)
         messages = [{"role": "system", "content": system_prompt}]
         for i in range(turns):
             messages.append({"role": "user", "content": f"Question {i + 1}: what does the text say?"})
-            turn = stream_chat(server.url, messages, max_tokens, server.model, seed)
+            turn = _turn(server, messages, max_tokens, seed)
             result.turns.append(turn)
             messages.append({"role": "assistant", "content": turn.text})
         time.sleep(0.3)  # let the recorder take a last sample after the final insert

@@ -1,0 +1,26 @@
+"""``kvplugin bench --server --memory`` end to end on real servers (tiny model, short run):
+the in-process recorder traces both processes and the comparison is written for both.
+No timing or memory ratio is asserted (those are the benchmark's job); only that every
+figure was measured, and that kvplugin reused as many prompt tokens as stock."""
+
+from __future__ import annotations
+
+import json
+
+from kvplugin.tools.bench import memory
+
+
+def test_memory_bench_measures_stock_and_kvplugin(tiny_model, tmp_path):
+    rc = memory.main(["--model", str(tiny_model), "--configs", "stock,fp16",
+                      "--prompt-tokens", "300", "--turns", "3", "--max-tokens", "4",
+                      "--out", str(tmp_path)])
+    assert rc == 0
+    (out,) = tmp_path.glob("server_memory_*.json")
+    data = json.loads(out.read_text())
+    assert set(data) == {"stock", "fp16"}
+    for key, run in data.items():
+        s = run["summary"]
+        assert s["entry_mib"] > 0 and s["held_after_mib"] >= 0, (key, s)
+        assert s["hwm_growth_x"] is not None and s["max_reuse_transient_x"] is not None
+        assert len(run["turns"]) == 3 and all(t["ttft_s"] > 0 for t in run["turns"])
+    assert data["fp16"]["summary"]["tokens_reused"] >= data["stock"]["summary"]["tokens_reused"] > 0
