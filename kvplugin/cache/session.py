@@ -204,8 +204,11 @@ class KVService:
 
     def _event(self, event: str, tokens: int, cache: list | None = None) -> None:
         """Tell observers (``kvplugin_cache_event``) what just happened, and to how much."""
+        caller = self.hook.kvplugin_cache_event
+        if not caller.get_hookimpls():  # nobody listens: keep the request path free of it
+            return
         nbytes = entry_nbytes(cache) if cache else 0
-        self.hook.kvplugin_cache_event(event=event, tokens=int(tokens), nbytes=nbytes)
+        caller(event=event, tokens=int(tokens), nbytes=nbytes)
 
     def _prompt_len(self, tokens: Sequence[int]) -> int | None:
         """How many of ``tokens`` were a recent request's prompt (the rest was generated).
@@ -217,12 +220,11 @@ class KVService:
         """
         key = tuple(tokens)
         with self._lock:
-            recent = list(self._recent_prompts)
-        best = None
+            recent = sorted(set(self._recent_prompts), reverse=True)  # longest first
         for length, digest in recent:
-            if length < len(key) and (best is None or length > best) and hash(key[:length]) == digest:
-                best = length
-        return best
+            if length < len(key) and hash(key[:length]) == digest:
+                return length
+        return None
 
     def give_back(self, model_key: str, tokens: Sequence[int], cache: list, *,
                   min_tokens: int = 1) -> bool:
@@ -233,6 +235,8 @@ class KVService:
         when it is trimmable, rather than store an entry whose key lies about its contents:
         a wrong key would hand one conversation's KV to another. False: not stored.
         """
+        if entry_tokens(cache) == 0:
+            return False  # nothing was computed: nothing to store
         key = self.key_for_cache(cache, list(tokens))
         if key is None:
             self._reject(cache, "it holds more tokens than its key and cannot be trimmed")
