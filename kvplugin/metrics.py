@@ -30,6 +30,8 @@ COUNTERS = (
     ("superseded", "Entries replaced by a longer one of the same conversation.",
      "store_superseded"),
     ("tokens_reused", "Prompt tokens served from the cache.", "store_tokens_reused"),
+    ("entries_invalid", "Fetched cold-tier entries that did not fit the model (layer count, "
+     "kind, dtype or width): never served.", "entries_invalid"),
     ("cold_corrupt", "Cold-tier files whose data failed its digest or header check (removed, "
      "never served; no sample: no cold tier).", "cold_corrupt"),
 )

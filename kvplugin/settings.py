@@ -213,6 +213,8 @@ class KVPluginSettings(BaseSettings):
             probe = probe.parent
         if probe.exists() and not probe.is_dir():
             raise ValueError(f"{probe} is not a directory")
+        if probe == v and os.access(v, os.R_OK | os.X_OK):
+            return v  # an existing directory, maybe read-only: its entries are still served
         if not os.access(probe, os.W_OK | os.X_OK):
             raise ValueError(f"{probe} is not writable")
         return v

@@ -53,6 +53,7 @@ class Counters:
     caches_made: int = 0
     caches_bounded: int = 0
     entries_rejected: int = 0  # finished caches kvplugin could not store (see rejected_by_kind)
+    entries_invalid: int = 0  # fetched entries that did not fit the model (never served)
 
     @property
     def bytes_saved(self) -> int:
@@ -128,6 +129,9 @@ class KVService:
         # with one of them holds that prompt plus generated tokens (see _prompt_len).
         self._recent_prompts: deque[tuple[int, int]] = deque(maxlen=64)
         self._rejected_by_kind: dict[str, int] = {}
+        # id(model) -> (weak reference to the model, its layer reference): never keeps a
+        # model the host unloaded alive
+        self._references: dict[int, tuple[Any, Any]] = {}
         cold = None if settings.hot_cache_only else hook.kvplugin_store_backend(settings=settings)
         self.store = PromptStore(
             max_bytes=max_bytes if max_bytes is not None else _UNLIMITED,
@@ -272,8 +276,13 @@ class KVService:
         return None
 
     # -- fetching -----------------------------------------------------------------------------
-    def fetch(self, model_key: str, tokens: Sequence[int]) -> tuple[list | None, int]:
+    def fetch(self, model_key: str, tokens: Sequence[int], *,
+              model: Any = None) -> tuple[list | None, int]:
         """The best stored entry for ``tokens``, restored to full precision, owned by the caller.
+
+        With ``model`` (the model the host will run it with), an entry from the cold tier is
+        first checked against the model's own cache (:mod:`kvplugin.cache.validate`): one that
+        does not fit is a counted miss (``entries_invalid``), said once, never handed over.
 
         Returns ``(cache, n)``: the cache covers the first ``n`` tokens of ``tokens`` (at
         least one token is always left to process), or ``(None, 0)`` on a miss. Nothing is
@@ -285,7 +294,8 @@ class KVService:
         """
         with self._lock:
             self._recent_prompts.append((len(tokens), hash(tuple(tokens))))
-        cache, n = self.store.fetch(model_key, list(tokens))
+        check = None if model is None else (lambda entry: self._fits(model, entry))
+        cache, n = self.store.fetch(model_key, list(tokens), check=check)
         if cache is None:
             self._event("miss", len(tokens))
             log.debug("prompt cache miss: %d prompt tokens", len(tokens))
@@ -299,6 +309,45 @@ class KVService:
             log.debug("prompt cache hit: %d of %d prompt tokens reused, entry %d bytes",
                       n, len(tokens), entry_nbytes(restored))
         return restored, n
+
+    def _fits(self, model: Any, entry: list) -> bool:
+        """Does ``entry`` fit ``model``? The reference is computed once per model (a one-token
+        forward pass); a model whose reference cannot be computed is not checked."""
+        from kvplugin.cache.validate import entry_problem, reference_of
+        from kvplugin.log import say
+
+        with self._lock:
+            held = self._references.get(id(model))
+        if held is None or held[0]() is not model:
+            try:
+                ref = reference_of(model)
+            except Exception as exc:  # an exotic model: say so once, serve as before
+                say(f"cannot check fetched entries against {type(model).__module__} "
+                    f"({type(exc).__name__}: {exc})", key=f"validate-ref:{type(model)}")
+                ref = None
+            import weakref
+
+            try:
+                alive = weakref.ref(model)
+            except TypeError:
+                alive = lambda: model  # noqa: E731  (no weak references: keep it)
+            with self._lock:
+                self._references = {k: v for k, v in self._references.items()
+                                    if v[0]() is not None}
+                self._references[id(model)] = held = (alive, ref)
+        if held[1] is None:
+            return True
+        try:
+            problem = entry_problem(entry, held[1])
+        except Exception as exc:  # data too odd to even compare is not used either
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is None:
+            return True
+        with self._lock:
+            self.counters.entries_invalid += 1
+        say(f"a stored entry does not fit the model and was not used: {problem}",
+            key=f"invalid:{problem}")
+        return False
 
     def restore_precision(self, cache: list) -> list:
         restored = self.hook.kvplugin_dequantize_entry(cache=cache, settings=self.settings)

@@ -384,11 +384,14 @@ class PromptStore:
             self._c["spills" if ok else "rejected"] += 1
         return ok
 
-    def fetch(self, model_key: str, tokens: Sequence[int]) -> tuple[list | None, int]:
+    def fetch(self, model_key: str, tokens: Sequence[int], *,
+              check: Callable[[list], bool] | None = None) -> tuple[list | None, int]:
         """Longest-prefix lookup with move semantics; ``(cache, n)`` or ``(None, 0)``.
 
         The returned cache holds ``tokens[:n]`` and is owned by the caller;
-        ``1 <= n < len(tokens)``.  See the module docstring.
+        ``1 <= n < len(tokens)``.  See the module docstring. ``check``: asked of an entry
+        from the cold tier (it crossed a disk or process boundary) before it is used; False:
+        dropped, as if the tier had none.
         """
         key = to_key(tokens)
         cold = self.cold
@@ -409,6 +412,8 @@ class PromptStore:
             if not want_cold:
                 return self._serve_hot(plan)
         got = self._fetch_cold(model_key, key)
+        if got is not None and check is not None and not check(got[0]):
+            got = None
         with self._lock:
             if got is not None:
                 self._hit(got[1])

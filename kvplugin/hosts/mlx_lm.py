@@ -125,7 +125,8 @@ class KVPluginPromptCache:
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
         try:
-            cache, n = self.service.fetch(self.service.model_key(model_fingerprint(model)), tokens)
+            cache, n = self.service.fetch(self.service.model_key(model_fingerprint(model)), tokens,
+                                          model=ADAPTER.loaded_model(model))
         except Exception as exc:  # a request must never fail because of the store
             say(f"prompt cache fetch failed ({type(exc).__name__}: {exc}); serving "
                 "without a cached prefix", key="mlx-lm:fetch-failed")
@@ -182,6 +183,7 @@ class MlxLmAdapter(HostAdapter):
         self.given_flags: dict[str, Any] = {}
         self.service: Any = None  # the service of the running server
         self._pending: Any = None  # made by the wrapped run, claimed by the prompt cache
+        self._provider: Any = None  # the running server's ModelProvider
         self._warned_models: set[int] = set()
         self._step_patched = False
 
@@ -271,6 +273,16 @@ class MlxLmAdapter(HostAdapter):
         self.say_active(service)
         self._say_bounded_batches(settings)
         return service
+
+    def loaded_model(self, key: Any) -> Any:
+        """The ``nn.Module`` the server runs for ``key`` (mlx-lm passes its model key to the
+        prompt cache, not the model), so a fetched entry can be checked against it."""
+        provider = self._provider
+        if provider is None:
+            return key if hasattr(key, "layers") else None
+        if getattr(provider, "model_key", None) == key or key is getattr(provider, "model", 0):
+            return getattr(provider, "model", None)
+        return None
 
     def take_pending_service(self) -> Any:
         with self._state_lock:
@@ -380,11 +392,13 @@ class MlxLmAdapter(HostAdapter):
                 fail_start(f"kvplugin: cannot set up the prompt store: {err}")
             with adapter._state_lock:
                 adapter._pending = service
+                adapter._provider = model_provider
             try:
                 return original(host, port, model_provider, *args, **kwargs)
             finally:
                 with adapter._state_lock:
                     adapter._pending = None
+                    adapter._provider = None
                 service.close()  # shut-down: store closed, then kvplugin_unconfigure
 
         return run

@@ -229,11 +229,16 @@ class SSDTier:
         self._index = KeyIndex(size=lambda r: r.size)  # (model_dir, tokens) -> _Rec
         self._closed = False
         self.counters = dict.fromkeys(
-            "puts refused hits copies misses evictions superseded corrupt".split(), 0
+            "puts refused hits copies misses evictions superseded corrupt unreadable".split(), 0
         )
         if not self.directory.exists():
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(self.directory, 0o700)
+        self.read_only = not os.access(self.directory, os.W_OK | os.X_OK)
+        if self.read_only:
+            from kvplugin.log import say
+
+            say(f"cold tier {self.directory} is read-only: its entries are served, nothing "
+                "is spilled to it", key=f"ssd-read-only:{self.directory}")
         self._rebuild()
 
     # ---------------------------------------------------------------- info
@@ -292,9 +297,7 @@ class SSDTier:
             if create:
                 log.warning("kvplugin: refusing cache directory %s (not our directory)", path)
             return False
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(path, 0o700)
-        return True
+        return True  # its mode is the operator's (made 0o700; never chmod-ed back)
 
     # ---------------------------------------------------------------- index
 
@@ -362,6 +365,9 @@ class SSDTier:
         kind, larger than ``max_bytes``, I/O error)."""
         key = to_key(tokens)
         if self._closed or not key or not cache:
+            return False
+        if self.read_only:
+            self._count("refused")
             return False
         try:
             arrays, layers = serialize_cache(cache)
@@ -450,13 +456,19 @@ class SSDTier:
             path = self.directory / rec.model_dir / _key_name(rec.key)
             if mode == "move":  # claim the file so a concurrent put can't be deleted
                 claim = path.with_name(f".claim-{uuid.uuid4().hex}{SUFFIX}")
-                self._index_remove(rec)
                 try:
                     os.replace(path, claim)
-                except OSError:
+                    self._index_remove(rec)
+                    path, n = claim, len(rec.key)
+                except FileNotFoundError:  # gone behind our back: the index follows the disk
+                    self._index_remove(rec)
                     self.counters["misses"] += 1
                     return None
-                path, n = claim, len(rec.key)
+                except OSError:
+                    # Read-only tier (EROFS, EACCES on the directory): the entry cannot be
+                    # claimed but can still be read; it stays indexed and on disk.
+                    mode, n = "read", len(rec.key)
+                    self._index.touch(rec.model_dir, rec.key)
             else:
                 self._index.touch(rec.model_dir, rec.key)
                 try:
@@ -468,15 +480,16 @@ class SSDTier:
         except Exception as e:  # corrupted / truncated / vanished: a miss, file removed
             log.warning("kvplugin: dropping unreadable cache file %s: %s", path, e)
             with self._lock:
-                self.counters["corrupt"] += 1
+                self.counters["unreadable" if isinstance(e, OSError) else "corrupt"] += 1
                 self.counters["misses"] += 1
-                if mode == "copy" and self._index.get(rec.model_dir, rec.key) is rec:
+                if mode != "move" and self._index.get(rec.model_dir, rec.key) is rec:
                     self._drop(rec)
             if mode == "move":
                 _unlink(path)
             return None
-        if mode == "move":
-            _unlink(path)
+        if mode in ("move", "read"):
+            if mode == "move":
+                _unlink(path)
             with self._lock:
                 self.counters["hits"] += 1
             return cache, n

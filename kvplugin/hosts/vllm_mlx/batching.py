@@ -122,6 +122,7 @@ class KVPrefixCache:
         self._last_matched_key: tuple | None = None
         self._ssd_tier = None
         self._model_id = id(model)
+        self._model = model  # the scheduler's own: fetched entries are checked against it
         self._memory_lock = threading.RLock()
         self._rejections = 0
         if rt.settings is not None and rt.settings.kv_cache_quantization:
@@ -153,7 +154,7 @@ class KVPrefixCache:
             self._last_match_type = "miss"
             return None, tokens
         try:
-            cache, n = self._service.fetch(self._key, tokens)
+            cache, n = self._service.fetch(self._key, tokens, model=self._model)
         except Exception as exc:
             say(f"prefix-cache fetch failed ({type(exc).__name__}: {exc})", key="fetch-failed")
             cache, n = None, 0

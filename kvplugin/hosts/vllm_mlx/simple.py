@@ -190,7 +190,7 @@ def cached_generation(original: Callable, service: Any, key: str, model: Any, to
     tokens = tokens_of(tokenizer, prompt)
     cache, n = None, 0
     if len(tokens) >= 2 and not kwargs.get("logits_processors"):
-        cache, n = service.fetch(key, tokens)
+        cache, n = service.fetch(key, tokens, model=model)
     if cache is None:
         fresh = make_prompt_cache(model, max_kv_size=kwargs.get("max_kv_size"))
         cache, n = service.make_cache(model, fresh), 0

@@ -1,0 +1,85 @@
+"""Faults an operator's disk produces, made on a real SSD tier directory (shared by the tier
+fault tests). Mounting needs root (as here and in CI); a mount that fails fails the test and
+says why: these tests never skip."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+ENTRY_GLOB = "*/[0-9a-f]*.safetensors"
+
+
+def entry_files(ssd_dir: Path) -> list[Path]:
+    """The tier's entry files under ``ssd_dir`` (every model subdirectory)."""
+    return sorted(p for p in Path(ssd_dir).glob(ENTRY_GLOB) if not p.name.startswith("."))
+
+
+def narrow_entries(files: list[Path], width: int) -> int:
+    """Rewrite every entry with its keys and values cut to ``width`` channels (head_dim 32
+    for a 64 model): internally consistent, with a VALID digest, so only a check against the
+    model can refuse it. ``files``: entry files (:func:`entry_files`). Returns how many."""
+    import re
+
+    import mlx.core as mx
+
+    from kvplugin.cache.tiers.ssd import tensor_digest
+
+    for path in files:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        for name in list(arrays):
+            if re.fullmatch(r"l\d+\.(keys|values)", name):
+                arrays[name] = mx.contiguous(arrays[name][..., :width])
+        meta["digest"] = tensor_digest(arrays)
+        mx.save_safetensors(str(path), arrays, meta)
+    return len(files)
+
+
+def _mount(*args: str) -> None:
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"mount {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}; these "
+            "tests need root and mount(8) (util-linux), as in CI; they do not skip")
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[Path]:
+    """``path`` bind-mounted read-only over itself (root ignores file modes, a mount does
+    not); unmounted at the end."""
+    _mount("--bind", str(path), str(path))
+    try:
+        _mount("-o", "remount,bind,ro", str(path))
+        probe = Path(path) / ".probe"
+        try:
+            probe.touch()
+        except OSError:
+            pass
+        else:
+            probe.unlink()
+            raise AssertionError(f"{path} is still writable after a read-only remount")
+        yield Path(path)
+    finally:
+        _umount(path)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -t tmpfs -o size=...``) on ``path``; unmounted at the end."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    _mount("-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path))
+    try:
+        yield Path(path)
+    finally:
+        _umount(path)
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes of every file under ``path`` (entries, temp files, markers)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())

@@ -1,0 +1,42 @@
+"""Fetched entries are checked against the model's own cache (kvplugin.cache.validate)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from kvplugin.cache.validate import entry_problem, reference_of
+
+
+def _model():
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=32, head_dim=64)
+    return llama.Model(args)
+
+
+def _entry(n_layers=2, width=64, dtype=mx.float32, tokens=5):
+    out = []
+    for _ in range(n_layers):
+        c = KVCache()
+        k = mx.zeros((1, 2, tokens, width), dtype=dtype)
+        c.update_and_fetch(k, k)
+        out.append(c)
+    return out
+
+
+def test_a_fitting_entry_passes_and_each_misfit_is_named():
+    ref = reference_of(_model())
+    assert entry_problem(_entry(), ref) is None
+    assert "layers" in entry_problem(_entry(n_layers=3), ref)
+    assert "(1, 2, 256, 32)" in entry_problem(_entry(width=32), ref)  # head_dim 32 for 64
+    assert "float16" in entry_problem(_entry(dtype=mx.float16), ref)
+    rot = RotatingKVCache(max_size=16)
+    k = mx.zeros((1, 2, 5, 64))
+    rot.update_and_fetch(k, k)
+    assert entry_problem([rot, rot], ref) is None  # --max-kv-size makes rotating layers
+    quantized = [layer.to_quantized(group_size=64, bits=8) for layer in _entry()]
+    assert entry_problem(quantized, ref) is None
+    narrow_q = [layer.to_quantized(group_size=32, bits=8) for layer in _entry(width=32)]
+    assert "quantized" in entry_problem(narrow_q, ref)
