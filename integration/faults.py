@@ -83,3 +83,30 @@ def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
 def disk_usage(path: Path) -> int:
     """Bytes of every file under ``path`` (entries, temp files, markers)."""
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def breaking_plugin(where: Path) -> tuple[dict[str, str], Path]:
+    """Env installing a plugin (a real entry point on PYTHONPATH) whose
+    ``kvplugin_dequantize_entry`` hands the host a broken entry (layer 0's keys cut to 32
+    channels) on the next fetch after the returned trigger file is created (one shot, it
+    removes the file): an error that only shows while the host uses the entry, after every
+    check kvplugin makes."""
+    where = Path(where)
+    trigger = where / "break-next-fetch"
+    (where / "kvp_break.py").write_text(
+        "import os\n"
+        "import mlx.core as mx\n"
+        "from kvplugin.hookspecs import hookimpl\n\n"
+        f"TRIGGER = {str(trigger)!r}\n\n"
+        "@hookimpl\n"
+        "def kvplugin_dequantize_entry(cache, settings):\n"
+        "    if os.path.exists(TRIGGER):\n"
+        "        os.unlink(TRIGGER)\n"
+        "        cache[0].keys = mx.contiguous(cache[0].keys[..., :32])\n"
+        "    return None\n"
+    )
+    dist = where / "kvp_break-1.0.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-break\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[kvplugin]\nbreak = kvp_break\n")
+    return {"PYTHONPATH": str(where)}, trigger

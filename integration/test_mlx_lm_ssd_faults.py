@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import faults
+import pytest
 import harness
 from harness import answer_text, cached_tokens
 
@@ -100,3 +101,33 @@ def test_invalid_entries_on_a_read_only_tier(tiny_model, tmp_path_factory):
             assert "generation thread died" not in log
         finally:
             srv.stop()
+
+
+# how mlx-lm fails one request: an error status, or (non-streaming, after its context was
+# sent) a connection closed without a response
+FAILED = (harness.ServerHTTPError, OSError)
+
+
+def test_an_error_while_the_host_uses_an_entry_costs_one_request(tiny_model, tmp_path_factory):
+    """An entry that breaks only inside mlx-lm's loop (a plugin hands it over after every
+    check): the request fails, the generation thread does not (batched and sequential)."""
+    env, trigger = faults.breaking_plugin(tmp_path_factory.mktemp("plugin"))
+    srv = _start(tiny_model, tmp_path_factory.mktemp("breaker"), env=env)
+    try:
+        first = answer_text(srv.chat(CONVS[0], max_tokens=8))  # a miss: nothing to break
+        trigger.touch()
+        with pytest.raises(FAILED):  # batched (the default): the next fetch is broken
+            srv.chat(CONVS[0], max_tokens=8)
+        assert not trigger.exists()
+        assert answer_text(srv.chat(CONVS[0], max_tokens=8)) == first  # still serving
+        trigger.touch()
+        with pytest.raises(FAILED):  # sequential (a seed): the same
+            srv.chat(CONVS[0], max_tokens=8, seed=3)
+        assert not trigger.exists()
+        assert answer_text(srv.chat(CONVS[1], max_tokens=8))
+        assert answer_text(srv.chat(CONVS[1], max_tokens=8, seed=3))
+        assert srv.request("GET", "/health")[0] == 200
+        log = srv.log_text()
+        assert "generation loop failed" in log and "the server goes on" in log
+    finally:
+        srv.stop()

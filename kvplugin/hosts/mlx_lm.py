@@ -37,6 +37,10 @@ Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted):
     Wrapped: the quantization group size is checked against the loaded model's head
     dimension; at start-up (the default model, loaded by the generation thread) a bad
     value ends the process with exit code 2 and a message naming flag and env variable.
+``ResponseGenerator._generate`` / ``ResponseGenerator._next_request``
+    Wrapped (:mod:`kvplugin.hosts.mlx_lm_guard`): an exception that escapes the generation
+    loop fails the requests in flight and the loop starts again, instead of the thread
+    dying and the server answering 503 until restarted.
 ``APIHandler.do_GET``
     Wrapped: ``GET /kvplugin/stats`` answers the service's counters and the stored
     entries as JSON, ``GET /metrics`` kvplugin's Prometheus series (mlx-lm has no
@@ -218,6 +222,9 @@ class MlxLmAdapter(HostAdapter):
         patches.replace(provider, "_load", self._wrap_load(provider._load))
         patches.replace(provider, "load_default", self._wrap_load_default(provider.load_default))
         patches.replace(server.APIHandler, "do_GET", self._wrap_do_get(server.APIHandler.do_GET))
+        from kvplugin.hosts.mlx_lm_guard import guard_generation
+
+        guard_generation(patches, server.ResponseGenerator)
 
     def _check_seams(self, server: Any, cache_mod: Any, gen_mod: Any) -> None:
         """Fail closed: every seam present, with the signature this adapter was written for."""
@@ -250,6 +257,9 @@ class MlxLmAdapter(HostAdapter):
                                                  "draft_model_path"], "ModelProvider._load")
         require(_params(provider.load_default) == ["self"], "ModelProvider.load_default")
         require(callable(getattr(server.APIHandler, "do_GET", None)), "APIHandler.do_GET")
+        for name in ("_generate", "_next_request"):
+            require(callable(getattr(server.ResponseGenerator, name, None)),
+                    f"ResponseGenerator.{name}")
         for cls in ("BatchKVCache", "BatchRotatingKVCache", "KVCache", "RotatingKVCache"):
             require(isinstance(getattr(getattr(cache_mod, cls, None), "step", None), int),
                      f"mlx_lm.models.cache.{cls}.step")
