@@ -110,3 +110,49 @@ def breaking_plugin(where: Path) -> tuple[dict[str, str], Path]:
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-break\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[kvplugin]\nbreak = kvp_break\n")
     return {"PYTHONPATH": str(where)}, trigger
+
+
+_WRITER = """
+import sys
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvplugin.cache.tiers.ssd import SSDTier
+
+n = 1 << 17  # 128 Ki tokens x 8 heads x 64 x fp16: 128 MiB each for keys and values
+layer = KVCache()
+k = mx.random.normal((1, 8, n, 64)).astype(mx.float16)
+layer.update_and_fetch(k, k)
+mx.eval(layer.keys, layer.values)
+print("ready", flush=True)
+SSDTier(sys.argv[1], 1 << 40).put("killed-writer", list(range(n)), [layer])
+"""
+
+
+def kill_mid_spill(ssd_dir: Path, timeout: float = 120.0) -> Path:
+    """``kill -9`` a real writer (the tier's own ``put``, in its own process) while its
+    256 MiB entry is being written; returns the ``.tmp-*`` file it leaves behind."""
+    import os
+    import signal
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(ssd_dir)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", "the writer did not start"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            temps = [p for p in Path(ssd_dir).glob("*/.tmp-*") if p.stat().st_size > 0]
+            if temps:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                assert temps[0].exists()
+                return temps[0]
+            if proc.poll() is not None:
+                raise AssertionError("the writer finished before it could be killed mid-spill")
+            time.sleep(0.002)
+        raise AssertionError("the writer never started its spill")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -5,8 +5,14 @@ Layout and format
 ``<directory>/<slug>-<sha256(model_key)[:16]>/<sha256(tokens)[:40]>.safetensors``
 
 * ``directory`` is created 0o700 if missing (an existing one is left as is); every
-  per-model subdirectory is ours and kept 0o700, owned by us, not a symlink
-  (otherwise the tier refuses to use it).  Entry files are 0o600.
+  per-model subdirectory is created 0o700 and must be owned by us, marked, not a symlink
+  (otherwise the tier refuses to use it); the modes of existing directories are the
+  operator's and never set back.  Entry files are created 0o600.  No symlink is followed:
+  files are opened ``O_NOFOLLOW`` and scanned with ``lstat``; an entry-named link is
+  skipped and counted (``symlinks``).
+* A directory the process cannot write (a read-only mount) is a read-only tier: its
+  entries are served (an entry that cannot be claimed is read in place and stays indexed),
+  nothing is spilled.
 * The model fingerprint is ``str(model_key)`` hashed into the subdirectory name
   (``slug`` is a sanitised readable tail), and is also stored in every file and
   checked on load, so two models never share entries.
@@ -33,9 +39,12 @@ Layout and format
   already imported (nothing is imported from file data) and it subclasses the
   recorded kind; otherwise the kind's mlx-lm class.
 
-Writes are atomic: a ``.tmp-*`` file created 0o600 in the same directory, written,
+Writes are atomic: a ``.tmp-<pid>-*`` file created 0o600 in the same directory, written,
 ``fsync``-ed, ``os.replace``-d over the final name, then the directory is fsync-ed.
-A failed write leaves no temp file.
+A failed write leaves no temp file; a killed writer's is removed by the next writer of any
+process (its pid is dead, or it is older than ``ssd_dir.STALE_S``).  A full disk
+(ENOSPC/EDQUOT) evicts LRU entries to make room and retries once; failures are counted
+(``write_failures``) and said at most once a minute.
 
 Index and restart
 -----------------
@@ -44,12 +53,14 @@ order by access time.  A new ``SSDTier`` on the same directory rebuilds it by
 reading only each file's safetensors header and its ``__tokens__`` bytes; the LRU
 order comes from file mtimes (which a hit refreshes).  Files that fail validation
 (bad header, size not matching the header, wrong model, token hash not matching the
-name, unknown format) are removed.  ``.tmp-*``/``.claim-*`` leftovers older than a
-minute are removed.  One process should own a directory at a time.
+name, unknown format) are removed.
 
-Budget: ``max_bytes`` over the files' sizes; after a put, least recently used files
-are deleted until the total fits (never the file just written; an entry larger
-than ``max_bytes`` is refused).  A trimmable entry supersedes (deletes) stored
+Budget (:mod:`kvplugin.cache.tiers.ssd_dir`): ``max_bytes`` over everything on disk in the
+directory, whatever processes and models share it. After a put, under a cross-process
+``flock``, dead writers' leftovers and then the least recently used entry files of any
+model (by mtime, which a hit refreshes) are deleted until the directory fits (never the
+file just written; an entry larger than ``max_bytes`` is refused). An entry another
+process removed is a plain miss here (the index follows the disk).  A trimmable entry supersedes (deletes) stored
 entries whose tokens are a strict prefix of its own.
 
 Fetch (same choice rule as the hot tier, ``index.choose``)
@@ -66,6 +77,7 @@ Fetch (same choice rule as the hot tier, ``index.choose``)
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -76,7 +88,6 @@ import struct
 import sys
 import threading
 import time
-import uuid
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,6 +99,7 @@ import mlx.core as mx
 from kvplugin.cache.index import KeyIndex, to_key
 from kvplugin.cache.layers import can_copy_prefix, copy_prefix
 from kvplugin.cache.serialize import Corrupt, Unsupported, deserialize_cache, serialize_cache
+from kvplugin.cache.tiers.ssd_dir import DirView, dir_lock, leftover_name, make_room, scan
 
 __all__ = ["SSDTier"]
 
@@ -102,7 +114,7 @@ SUFFIX = ".safetensors"
 MARKER = ".kvplugin-tier"
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{40}" + re.escape(SUFFIX) + "$")
 _MAX_HEADER = 256 << 20
-_STALE_S = 60.0
+_FAILURE_LOG_S = 60.0
 
 
 # ------------------------------------------------------------------ file helpers
@@ -115,8 +127,6 @@ def tensor_digest(arrays: dict) -> str:
     keys silently change answers (and get copied into newer entries). blake2b from the
     standard library runs at ~700 MiB/s here, a few ms per MiB of entry.
     """
-    import hashlib
-
     import numpy as np
 
     h = hashlib.blake2b(digest_size=32)
@@ -141,7 +151,10 @@ def _tokens_bytes(key: tuple) -> bytes:
 def _read_header(path: Path) -> tuple[dict, dict]:
     """Parse and validate a safetensors header.  Returns (tensors, metadata).
     Also reads the ``__tokens__`` tensor, returned as metadata["__key__"]."""
-    with open(path, "rb") as f:
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    with os.fdopen(os.open(path, flags), "rb") as f:  # never through a symlink (ELOOP)
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise Corrupt("not a regular file")
         size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
@@ -196,6 +209,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _unlink(path: Path) -> None:
     try:
         os.unlink(path)
@@ -229,8 +249,14 @@ class SSDTier:
         self._index = KeyIndex(size=lambda r: r.size)  # (model_dir, tokens) -> _Rec
         self._closed = False
         self.counters = dict.fromkeys(
-            "puts refused hits copies misses evictions superseded corrupt unreadable".split(), 0
+            "puts refused hits copies misses evictions superseded corrupt unreadable "
+            "write_failures leftovers_removed".split(), 0
         )
+        self._by_file: dict[tuple[str, str], _Rec] = {}  # (model_dir, file name) -> record
+        self._writing: set[Path] = set()  # our temp files in progress (never cleaned)
+        self._disk_bytes: int | None = None  # the whole directory at the last scan
+        self._symlinks = 0  # entry-named symlinks (and links in place of subdirectories) seen
+        self._last_failure_log = float("-inf")
         if not self.directory.exists():
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.read_only = not os.access(self.directory, os.W_OK | os.X_OK)
@@ -258,10 +284,15 @@ class SSDTier:
             self.counters[name] += 1
 
     def stats(self) -> dict:
-        """Counters: entries, bytes, puts, refused, hits (files consumed), copies
-        (prefix copies), misses, evictions, superseded, corrupt (files removed)."""
+        """Counters: entries, bytes (this process's index), disk_bytes (the whole directory,
+        every process and model, at the last scan), puts, refused, hits (files consumed),
+        copies (prefix copies), misses, evictions (any process's entries this one removed for
+        the shared budget), superseded, corrupt (files removed), unreadable (I/O errors on
+        read), write_failures, leftovers_removed (dead writers' temp files), symlinks."""
         with self._lock:
-            return {"entries": len(self._index), "bytes": self._index.nbytes, **self.counters}
+            return {"entries": len(self._index), "bytes": self._index.nbytes,
+                    "disk_bytes": self._disk_bytes, "symlinks": self._symlinks,
+                    **self.counters}
 
     def close(self) -> None:
         """Stop using the directory (files stay for the next process)."""
@@ -292,7 +323,7 @@ class SSDTier:
         if (
             not stat.S_ISDIR(st.st_mode)
             or st.st_uid != os.getuid()
-            or not (path / MARKER).is_file()
+            or not _is_regular(path / MARKER)
         ):
             if create:
                 log.warning("kvplugin: refusing cache directory %s (not our directory)", path)
@@ -304,59 +335,73 @@ class SSDTier:
     def _index_add(self, rec: _Rec) -> None:
         """Under the lock."""
         self._index.add(rec.model_dir, rec.key, rec)
+        self._by_file[(rec.model_dir, _key_name(rec.key))] = rec
 
     def _index_remove(self, rec: _Rec) -> None:
         """Under the lock (does not touch the file)."""
         self._index.remove(rec.model_dir, rec.key)
+        self._by_file.pop((rec.model_dir, _key_name(rec.key)), None)
 
     def _drop(self, rec: _Rec) -> None:
         """Under the lock: remove from the index and delete the file."""
         self._index_remove(rec)
         _unlink(self.directory / rec.model_dir / _key_name(rec.key))
 
+    def _is_ours(self, sub: Path) -> bool:
+        return sub.name[:1].isalnum() and self._secure_dir(sub, create=False)
+
+    def _scan(self) -> DirView:
+        view = scan(self.directory, lambda n: bool(_ENTRY_NAME.match(n)), self._is_ours)
+        self._symlinks = view.symlinks
+        return view
+
     def _rebuild(self) -> None:
         found = []
-        now = time.time()
-        for sub in sorted(self.directory.iterdir()) if self.directory.is_dir() else []:
-            if not sub.name[:1].isalnum() or not self._secure_dir(sub, create=False):
+        view = self._scan()
+        for _, _, p in view.entries:
+            try:
+                _, meta = _read_header(p)
+                key = meta["__key__"]
+                if (self.model_dir_name(meta.get("model_key")) != p.parent.name
+                        or _key_name(key) != p.name):
+                    raise Corrupt("misplaced file")
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue  # another process took it meanwhile
+            except (OSError, Corrupt, ValueError, KeyError, TypeError) as e:
+                log.warning("kvplugin: removing unreadable cache file %s: %s", p, e)
+                self.counters["corrupt"] += 1
+                _unlink(p)
                 continue
-            for p in sub.iterdir():
-                if p.name.startswith((".tmp-", ".claim-")):
-                    try:
-                        if now - p.lstat().st_mtime > _STALE_S:
-                            _unlink(p)
-                    except OSError:
-                        pass
-                    continue
-                if not _ENTRY_NAME.match(p.name) or not p.is_file():
-                    continue
-                try:
-                    _, meta = _read_header(p)
-                    key = meta["__key__"]
-                    if self.model_dir_name(meta.get("model_key")) != sub.name or _key_name(key) != p.name:
-                        raise Corrupt("misplaced file")
-                    st = p.stat()
-                except (OSError, Corrupt, ValueError, KeyError, TypeError) as e:
-                    log.warning("kvplugin: removing unreadable cache file %s: %s", p, e)
-                    self.counters["corrupt"] += 1
-                    _unlink(p)
-                    continue
-                rec = _Rec(sub.name, key, st.st_size, meta.get("trimmable") == "1")
-                found.append((st.st_mtime, p.name, rec))
+            rec = _Rec(p.parent.name, key, st.st_size, meta.get("trimmable") == "1")
+            found.append((st.st_mtime, p.name, rec))
         found.sort(key=lambda t: t[0])
         with self._lock:
             for _, name, rec in found:
                 self._index_add(rec)
             self._enforce(keep=None)
 
-    def _enforce(self, keep) -> None:
-        """Under the lock: delete LRU files until within budget."""
-        while self._index.nbytes > self.max_bytes and len(self._index):
-            rec = self._index.oldest()
-            if rec is keep:
-                break
-            self._drop(rec)
+    def _enforce(self, keep: Path | None, free: int = 0) -> None:
+        """Under the lock: the whole directory (every process, every model) back within
+        ``max_bytes - free``: dead writers' leftovers, then LRU entries (see ``ssd_dir``)."""
+        if self.read_only:
+            self._disk_bytes = self._scan().nbytes
+            return
+        try:
+            with dir_lock(self.directory):
+                view = self._scan()
+                target = max(0, min(self.max_bytes, view.nbytes) - free) if free else self.max_bytes
+                gone, gone_tmp, total = make_room(view, target, keep, frozenset(self._writing))
+        except OSError as e:
+            log.debug("kvplugin: cold tier budget not enforced: %s", e)
+            return
+        self._disk_bytes = total
+        self.counters["leftovers_removed"] += len(gone_tmp)
+        for path in gone:
             self.counters["evictions"] += 1
+            rec = self._by_file.get((path.parent.name, path.name))
+            if rec is not None:
+                self._index_remove(rec)
 
     # ---------------------------------------------------------------- put
 
@@ -394,14 +439,20 @@ class SSDTier:
         name = _key_name(key)
         if not self._secure_dir(mdir, create=True):
             return False
-        tmp = mdir / f".tmp-{uuid.uuid4().hex}{SUFFIX}"
+        need = sum(a.nbytes for a in arrays.values()) + (1 << 16)  # + header, roughly
+        tmp = mdir / leftover_name("tmp", SUFFIX)
+        with self._lock:
+            self._writing.add(tmp)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-            with os.fdopen(fd, "wb") as f:
-                mx.save_safetensors(f, arrays, meta)
-                f.flush()
-                os.fsync(f.fileno())
-            size = os.stat(tmp).st_size
+            try:
+                size = self._write(tmp, arrays, meta)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # A full disk: make room (LRU over the directory), then try once more.
+                with self._lock:
+                    self._enforce(keep=None, free=need)
+                size = self._write(tmp, arrays, meta)
             del arrays
             if size > self.max_bytes:
                 raise OSError("entry larger than max_bytes")
@@ -409,6 +460,7 @@ class SSDTier:
                 if self._closed:
                     raise OSError("closed")
                 os.replace(tmp, mdir / name)
+                self._writing.discard(tmp)
                 _fsync_dir(mdir)
                 rec = _Rec(mdir_name, key, size, trimmable)
                 self._index_add(rec)
@@ -416,14 +468,48 @@ class SSDTier:
                     for _, prev in self._index.prefixes_of(mdir_name, key):
                         self._drop(prev)
                         self.counters["superseded"] += 1
-                self._enforce(keep=rec)
+                self._enforce(keep=mdir / name)
                 self.counters["puts"] += 1
             return True
         except Exception as e:
-            log.warning("kvplugin: cold tier write failed: %s", e)
             _unlink(tmp)
-            self._count("refused")
+            self._write_failed(e)
             return False
+        finally:
+            with self._lock:
+                self._writing.discard(tmp)
+
+    @staticmethod
+    def _write(tmp: Path, arrays: dict, meta: dict) -> int:
+        """Write and fsync ``tmp`` (new, 0o600, not through a symlink); its size."""
+        flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            fd = os.open(tmp, flags, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                mx.save_safetensors(f, arrays, meta)
+                f.flush()
+                os.fsync(f.fileno())
+            return os.stat(tmp).st_size
+        except BaseException:
+            _unlink(tmp)
+            raise
+
+    def _write_failed(self, e: Exception) -> None:
+        """Count a failed spill; say so at most once a minute (a full disk fails every one)."""
+        now = time.monotonic()
+        with self._lock:
+            self.counters["refused"] += 1
+            self.counters["write_failures"] += 1
+            n = self.counters["write_failures"]
+            loud = now - self._last_failure_log >= _FAILURE_LOG_S
+            if loud:
+                self._last_failure_log = now
+        if loud:
+            log.warning("kvplugin: cold tier write failed: %s (%d write failure(s) so far; "
+                        "said at most once a minute)", e, n)
+        else:
+            log.debug("kvplugin: cold tier write failed: %s", e)
 
     # ---------------------------------------------------------------- fetch
 
@@ -455,7 +541,7 @@ class SSDTier:
             mode, rec, n = plan
             path = self.directory / rec.model_dir / _key_name(rec.key)
             if mode == "move":  # claim the file so a concurrent put can't be deleted
-                claim = path.with_name(f".claim-{uuid.uuid4().hex}{SUFFIX}")
+                claim = path.with_name(leftover_name("claim", SUFFIX))
                 try:
                     os.replace(path, claim)
                     self._index_remove(rec)
@@ -472,15 +558,18 @@ class SSDTier:
             else:
                 self._index.touch(rec.model_dir, rec.key)
                 try:
-                    os.utime(path)
+                    os.utime(path, follow_symlinks=False)  # the directory-wide LRU order
                 except OSError:
                     pass
         try:
             cache = self._load(path, model_key, rec.key)
         except Exception as e:  # corrupted / truncated / vanished: a miss, file removed
-            log.warning("kvplugin: dropping unreadable cache file %s: %s", path, e)
+            gone = isinstance(e, FileNotFoundError)  # another process evicted it: a miss
+            if not gone:
+                log.warning("kvplugin: dropping unreadable cache file %s: %s", path, e)
             with self._lock:
-                self.counters["unreadable" if isinstance(e, OSError) else "corrupt"] += 1
+                if not gone:
+                    self.counters["unreadable" if isinstance(e, OSError) else "corrupt"] += 1
                 self.counters["misses"] += 1
                 if mode != "move" and self._index.get(rec.model_dir, rec.key) is rec:
                     self._drop(rec)
