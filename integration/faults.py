@@ -156,3 +156,25 @@ def kill_mid_spill(ssd_dir: Path, timeout: float = 120.0) -> Path:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def fill_disk(path: Path, leave: int) -> Path:
+    """Fill the file system of ``path`` with a filler file (not the tier's), then give back
+    ``leave`` bytes of it; returns the filler (grow it again with ``fill_disk``)."""
+    import errno
+    import os
+
+    filler = Path(path) / "operator-filler.bin"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+    size = filler.stat().st_size
+    with open(filler, "r+b") as f:
+        f.truncate(max(0, size - leave))
+    return filler

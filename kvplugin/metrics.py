@@ -34,12 +34,27 @@ COUNTERS = (
      "kind, dtype or width): never served.", "entries_invalid"),
     ("cold_corrupt", "Cold-tier files whose data failed its digest or header check (removed, "
      "never served; no sample: no cold tier).", "cold_corrupt"),
+    ("cold_unreadable", "Cold-tier files that could not be read (I/O error; no sample: no "
+     "cold tier).", "cold_unreadable"),
+    ("cold_refused", "Entries the cold tier did not write (unsupported, too big, read-only, "
+     "write failures; no sample: no cold tier).", "cold_refused"),
+    ("cold_puts", "Entry files the cold tier wrote (no sample: no cold tier).", "cold_puts"),
+    ("cold_evictions", "Entry files this process removed to keep the directory's budget, any "
+     "process's (no sample: no cold tier).", "cold_evictions"),
+    ("cold_write_failures", "Cold-tier writes that failed (I/O error, full disk after making "
+     "room; no sample: no cold tier).", "cold_write_failures"),
+    ("cold_leftovers_removed", "Temp files of dead writers removed from the cold tier (no "
+     "sample: no cold tier).", "cold_leftovers_removed"),
 )
 GAUGES = (
     ("entries", "Entries in the hot tier.", "store_entries"),
     ("bytes", "Bytes held by the hot tier.", "store_bytes"),
     ("cold_entries", "Entries in the cold tier (no sample: no cold tier).", "store_cold_entries"),
     ("cold_bytes", "Bytes in the cold tier (no sample: no cold tier).", "store_cold_bytes"),
+    ("cold_disk_bytes", "Bytes on disk in the cold tier's directory, every process and model "
+     "sharing it, at the last scan (no sample: no cold tier).", "cold_disk_bytes"),
+    ("cold_symlinks", "Symlinks the cold tier found in place of entries and skipped (no "
+     "sample: no cold tier).", "cold_symlinks"),
 )
 
 

@@ -40,6 +40,9 @@ __all__ = ["Counters", "KVService", "describe_entry", "host_option_conflict", "m
 log = logging.getLogger("kvplugin")
 
 _UNLIMITED = 1 << 62
+#: the cold tier's counters reported flat as ``cold_<name>`` (the SSD tier keeps them all)
+COLD_FIELDS = ("corrupt", "unreadable", "refused", "puts", "evictions", "write_failures",
+               "leftovers_removed", "symlinks", "disk_bytes")
 
 
 @dataclass
@@ -445,7 +448,9 @@ class KVService:
         )
         tier = self._cold_tier_stats()
         out["cold_tier"] = tier  # the cold tier's own counters; None: no cold tier
-        out["cold_corrupt"] = tier.get("corrupt") if tier else None
+        for name in COLD_FIELDS:  # flat, for /metrics; None: no cold tier (or not kept)
+            value = tier.get(name) if tier else None
+            out[f"cold_{name}"] = value if isinstance(value, int) else None
         out["host"] = self.host
         out["hot_cache_only"] = s.hot_cache_only
         out["max_kv_size"] = s.max_kv_size
