@@ -136,12 +136,14 @@ class KVPluginSettings(BaseSettings):
     ssd_cache_dir: Path | None = Field(
         None,
         description="Directory of the cold (SSD) tier that evicted entries spill to. "
-        "Default: no cold tier.",
-        json_schema_extra={"allowed": "a writable directory path"},
+        "Default: no cold tier. Processes may share one; an existing read-only directory "
+        "is served, never written.",
+        json_schema_extra={"allowed": "a writable directory path, or an existing readable one"},
     )
     ssd_cache_max_gb: float = Field(
         10.0,
-        description="Size bound of the cold tier in GB (10^9 bytes).",
+        description="Size bound of the cold tier in GB (10^9 bytes): of everything in the "
+        "directory, whatever processes and models share it.",
         json_schema_extra={"allowed": "a number > 0"},
     )
 

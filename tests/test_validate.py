@@ -40,3 +40,23 @@ def test_a_fitting_entry_passes_and_each_misfit_is_named():
     assert entry_problem(quantized, ref) is None
     narrow_q = [layer.to_quantized(group_size=32, bits=8) for layer in _entry(width=32)]
     assert "quantized" in entry_problem(narrow_q, ref)
+
+
+def test_a_refused_prefix_copy_is_deleted_from_the_tier(tmp_path):
+    from kvplugin.cache.store import PromptStore
+    from kvplugin.cache.tiers.ssd import SSDTier
+
+    tier = SSDTier(tmp_path, 1 << 30)
+    assert tier.put("m", list(range(10)), _entry(width=32, tokens=10))  # a misfit, trimmable
+    store = PromptStore(max_bytes=1 << 30, cold=tier)
+    ref = reference_of(_model())
+    seen = []
+
+    def check(entry):
+        seen.append(entry_problem(entry, ref))
+        return seen[-1] is None
+
+    # a prefix of the stored entry: the tier keeps its file and hands over a copy
+    assert store.fetch("m", list(range(6)), check=check) == (None, 0)
+    assert seen and "32" in seen[0]
+    assert len(tier) == 0 and not list(tmp_path.rglob("*.safetensors"))  # not read again

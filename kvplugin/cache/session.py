@@ -81,6 +81,11 @@ class _ShutdownOnlyTier:
     def fetch(self, model_key: Any, tokens: Sequence[int]) -> Any:
         return self.tier.fetch(model_key, tokens)
 
+    def discard(self, cache: list) -> None:
+        discard = getattr(self.tier, "discard", None)
+        if discard is not None:
+            discard(cache)
+
     def probe(self, model_key: Any, tokens: Sequence[int]) -> int | None:
         probe = getattr(self.tier, "probe", None)
         return probe(model_key, tokens) if probe is not None else None

@@ -413,6 +413,12 @@ class PromptStore:
                 return self._serve_hot(plan)
         got = self._fetch_cold(model_key, key)
         if got is not None and check is not None and not check(got[0]):
+            discard = getattr(cold, "discard", None)  # kept by the tier (a prefix copy)
+            if discard is not None:
+                try:
+                    discard(got[0])
+                except Exception:
+                    log.exception("kvplugin: cold tier discard failed")
             got = None
         with self._lock:
             if got is not None:

@@ -253,6 +253,7 @@ class SSDTier:
             "write_failures leftovers_removed".split(), 0
         )
         self._by_file: dict[tuple[str, str], _Rec] = {}  # (model_dir, file name) -> record
+        self._copies: dict[int, _Rec] = {}  # id of a recent prefix copy -> its source
         self._writing: set[Path] = set()  # our temp files in progress (never cleaned)
         self._disk_bytes: int | None = None  # the whole directory at the last scan
         self._symlinks = 0  # entry-named symlinks (and links in place of subdirectories) seen
@@ -528,6 +529,15 @@ class SSDTier:
         mode, rec, n = plan
         return len(rec.key) if mode == "move" else n
 
+    def discard(self, cache: list) -> None:
+        """The caller refused ``cache``, a prefix copy this tier just returned (it does not
+        fit the model): its file is deleted so it is not read again. (A consumed entry's
+        file is gone already.)"""
+        with self._lock:
+            rec = self._copies.pop(id(cache), None)
+            if rec is not None and self._index.get(rec.model_dir, rec.key) is rec:
+                self._drop(rec)
+
     def fetch(self, model_key: str, tokens: Sequence[int]) -> tuple[list, int] | None:
         """See the module docstring: ``(cache, n)`` or None; never raises."""
         key = to_key(tokens)
@@ -580,12 +590,18 @@ class SSDTier:
             if mode == "move":
                 _unlink(path)
             with self._lock:
+                self._copies.pop(id(cache), None)  # an id reused: never a stale source
                 self.counters["hits"] += 1
             return cache, n
         out = copy_prefix(cache, n)
         del cache
         with self._lock:
             self.counters["copies" if out is not None else "misses"] += 1
+            if out is not None:  # which file it came from, for ``discard`` (a few recent;
+                # by id only, never keeping the caller's cache alive)
+                if len(self._copies) >= 16:
+                    self._copies.pop(next(iter(self._copies)))
+                self._copies[id(out)] = rec
         return (out, n) if out is not None else None
 
     def _load(self, path: Path, model_key, key: tuple) -> list:
