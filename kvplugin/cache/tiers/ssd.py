@@ -60,8 +60,8 @@ directory, whatever processes and models share it. After a put, under a cross-pr
 ``flock``, dead writers' leftovers and then the least recently used entry files of any
 model (by mtime, which a hit refreshes) are deleted until the directory fits (never the
 file just written; an entry larger than ``max_bytes`` is refused). An entry another
-process removed is a plain miss here (the index follows the disk).  A trimmable entry supersedes (deletes) stored
-entries whose tokens are a strict prefix of its own.
+process removed is a plain miss here (the index follows the disk).  A trimmable entry
+supersedes (deletes) stored entries whose tokens are a strict prefix of its own.
 
 Fetch (same choice rule as the hot tier, ``index.choose``)
 ----------------------------------------------------------
@@ -455,11 +455,11 @@ class SSDTier:
                     self._enforce(keep=None, free=need)
                 size = self._write(tmp, arrays, meta)
             del arrays
-            if size > self.max_bytes:
-                raise OSError("entry larger than max_bytes")
             with self._lock:
-                if self._closed:
-                    raise OSError("closed")
+                if size > self.max_bytes or self._closed:  # refused, not a failed write
+                    _unlink(tmp)
+                    self.counters["refused"] += 1
+                    return False
                 os.replace(tmp, mdir / name)
                 self._writing.discard(tmp)
                 _fsync_dir(mdir)
