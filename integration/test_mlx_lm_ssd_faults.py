@@ -119,7 +119,7 @@ def test_invalid_entries_on_a_read_only_tier(tiny_model, tmp_path_factory):
             assert answer_text(srv.chat(CONVS[4], max_tokens=4, seed=1))
             assert all(p.exists() for p in narrowed)
             log = srv.log_text()
-            assert log.count("does not fit the model") >= 1
+            assert log.count("does not fit the model") == 1  # said once, counted twice
             assert "generation thread died" not in log
         finally:
             srv.stop()

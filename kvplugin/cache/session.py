@@ -353,8 +353,8 @@ class KVService:
             return True
         with self._lock:
             self.counters.entries_invalid += 1
-        say(f"a stored entry does not fit the model and was not used: {problem}",
-            key=f"invalid:{problem}")
+        say(f"a stored entry does not fit the model and was not used: {problem} (said once "
+            f"per model; every one is counted in entries_invalid)", key=f"invalid:{id(held)}")
         return False
 
     def restore_precision(self, cache: list) -> list:
