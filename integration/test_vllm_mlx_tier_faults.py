@@ -38,7 +38,7 @@ def test_narrowed_entries_are_refused_in_both_modes(tiny_model, tmp_path_factory
     assert files and faults.narrow_entries(files, 32) == len(files)
     copy = ssd.parent / "kv-copy"
     shutil.copytree(ssd, copy)
-    for directory, extra in ((ssd, ()), (copy, CB)):
+    for directory, extra in ((ssd, ()), (copy, (*CB, "--enable-metrics"))):
         srv = _start(tiny_model, tmp_path_factory.mktemp("reader"), directory, *extra)
         try:
             stats = srv.get("/kvplugin/stats")
@@ -49,6 +49,15 @@ def test_narrowed_entries_are_refused_in_both_modes(tiny_model, tmp_path_factory
             assert stats["entries_invalid"] >= 1 and stats["store_cold_hits"] == 0, stats
             assert answer_text(srv.chat(HISTORY, max_tokens=10)) == want  # still serving
             assert "does not fit the model" in srv.log_text()
+            if "--enable-metrics" in extra:  # vllm-mlx's own /metrics carries every tier series
+                status, text = srv.request("GET", "/metrics")
+                assert status == 200, text
+                series = {line.split(" ")[0]: float(line.split(" ")[1])
+                          for line in str(text).splitlines() if line.startswith("kvplugin_")}
+                assert series["kvplugin_entries_invalid_total"] == stats["entries_invalid"]
+                assert series["kvplugin_cold_disk_bytes"] > 0, series
+                for name in ("corrupt", "refused", "evictions", "puts", "write_failures"):
+                    assert f"kvplugin_cold_{name}_total" in series, name
         finally:
             srv.stop()
 
