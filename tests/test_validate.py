@@ -60,3 +60,29 @@ def test_a_refused_prefix_copy_is_deleted_from_the_tier(tmp_path):
     assert store.fetch("m", list(range(6)), check=check) == (None, 0)
     assert seen and "32" in seen[0]
     assert len(tier) == 0 and not list(tmp_path.rglob("*.safetensors"))  # not read again
+
+
+import pytest  # noqa: E402
+
+from kvplugin.tools.models.families import FAMILIES  # noqa: E402
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_round_trips_through_the_tier_and_fits(family, tmp_path):
+    """No false refusals: a real entry of each family, spilled and read back, fits."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    from kvplugin.cache.tiers.ssd import SSDTier
+    from kvplugin.tools.models.families import build_family_model
+
+    model, _ = load(str(build_family_model(family, tmp_path / "model")))
+    cache = make_prompt_cache(model)
+    model(mx.arange(1, 13)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    tier = SSDTier(tmp_path / "kv", 1 << 30)
+    assert tier.put("m", list(range(1, 13)), cache)
+    got = tier.fetch("m", list(range(1, 13)) + [5])
+    assert got is not None
+    assert entry_problem(got[0], reference_of(model)) is None
+    assert entry_problem(got[0][:-1], reference_of(model)) is not None
