@@ -30,6 +30,10 @@ COUNTERS = (
     ("superseded", "Entries replaced by a longer one of the same conversation.",
      "store_superseded"),
     ("tokens_reused", "Prompt tokens served from the cache.", "store_tokens_reused"),
+    ("memory_releases", "Times kvplugin emptied MLX's buffer cache after evicting entries.",
+     "memory_releases"),
+    ("bytes_released", "Bytes those releases handed back to the system (MLX buffer cache).",
+     "bytes_released"),
     ("cold_corrupt", "Cold-tier files whose data failed its digest or header check (removed, "
      "never served; no sample: no cold tier).", "cold_corrupt"),
 )
@@ -38,6 +42,10 @@ GAUGES = (
     ("bytes", "Bytes held by the hot tier.", "store_bytes"),
     ("cold_entries", "Entries in the cold tier (no sample: no cold tier).", "store_cold_entries"),
     ("cold_bytes", "Bytes in the cold tier (no sample: no cold tier).", "store_cold_bytes"),
+    ("mlx_active_bytes", "MLX active memory of the whole process (arrays alive), as MLX reports.",
+     "mlx_active_memory"),
+    ("mlx_cache_bytes", "MLX buffer cache of the whole process (freed, not yet returned).",
+     "mlx_cache_memory"),
 )
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplugin.cache.layers import dense_nbytes, entry_nbytes, entry_tokens, layer_bits
+from kvplugin.cache.release import mlx_memory
 from kvplugin.cache.store import PromptStore
 from kvplugin.settings import KVPluginSettings, option_info
 
@@ -53,6 +54,8 @@ class Counters:
     caches_made: int = 0
     caches_bounded: int = 0
     entries_rejected: int = 0  # finished caches kvplugin could not store (see rejected_by_kind)
+    memory_releases: int = 0  # MLX buffer-cache releases after evictions
+    bytes_released: int = 0  # bytes those releases handed back to the system
 
     @property
     def bytes_saved(self) -> int:
@@ -134,6 +137,7 @@ class KVService:
             max_entries=max_entries,
             cold=cold,
             on_evict=self._on_evict,
+            after_evictions=self.release_memory,
         )
 
     def model_key(self, fingerprint: str) -> str:
@@ -374,6 +378,16 @@ class KVService:
             if self._owns_configure:
                 self.hook.kvplugin_unconfigure(settings=self.settings, host=self.host)
 
+    def release_memory(self) -> int:
+        """Hand MLX's buffer cache back to the system (after evictions); counted."""
+        from kvplugin.cache.release import release_buffer_cache
+
+        released = release_buffer_cache()
+        with self._lock:
+            self.counters.memory_releases += 1
+            self.counters.bytes_released += released
+        return released
+
     # -- reporting ----------------------------------------------------------------------------
     def _on_evict(self, entry: Any) -> None:
         self._event("evict", len(entry.tokens), entry.cache)
@@ -397,6 +411,7 @@ class KVService:
         tier = self._cold_tier_stats()
         out["cold_tier"] = tier  # the cold tier's own counters; None: no cold tier
         out["cold_corrupt"] = tier.get("corrupt") if tier else None
+        out.update(mlx_memory())
         out["host"] = self.host
         out["hot_cache_only"] = s.hot_cache_only
         out["max_kv_size"] = s.max_kv_size
