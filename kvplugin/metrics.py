@@ -34,6 +34,12 @@ COUNTERS = (
      "memory_releases"),
     ("bytes_released", "Bytes those releases handed back to the system (MLX buffer cache).",
      "bytes_released"),
+    ("admitted", "Requests admission control admitted (--max-memory).", "admitted"),
+    ("refused_too_large", "Requests refused with 413: they can never fit under --max-memory.",
+     "refused_too_large"),
+    ("refused_busy", "Requests refused with 503: requests in flight held the memory.",
+     "refused_busy"),
+    ("pressure_evictions", "Stored entries evicted to admit a request.", "pressure_evictions"),
     ("cold_corrupt", "Cold-tier files whose data failed its digest or header check (removed, "
      "never served; no sample: no cold tier).", "cold_corrupt"),
 )
@@ -42,6 +48,10 @@ GAUGES = (
     ("bytes", "Bytes held by the hot tier.", "store_bytes"),
     ("cold_entries", "Entries in the cold tier (no sample: no cold tier).", "store_cold_entries"),
     ("cold_bytes", "Bytes in the cold tier (no sample: no cold tier).", "store_cold_bytes"),
+    ("max_memory_bytes", "The admission limit in force (--max-memory; no sample: off).",
+     "max_memory"),
+    ("admission_reserved_bytes", "Bytes reserved by requests in flight (no sample: off).",
+     "admission_reserved"),
     ("mlx_active_bytes", "MLX active memory of the whole process (arrays alive), as MLX reports.",
      "mlx_active_memory"),
     ("mlx_cache_bytes", "MLX buffer cache of the whole process (freed, not yet returned).",

@@ -51,6 +51,8 @@ def _trim_c_heap() -> None:
 
 
 def mlx_memory() -> dict[str, int]:
-    """The whole process's MLX memory as MLX counts it: arrays alive, and freed buffers held."""
+    """The whole process's MLX memory as MLX counts it: arrays alive, freed buffers held, and
+    the peak of arrays alive since the process started."""
     return {"mlx_active_memory": int(mx.get_active_memory()),
-            "mlx_cache_memory": int(mx.get_cache_memory())}
+            "mlx_cache_memory": int(mx.get_cache_memory()),
+            "mlx_peak_memory": int(mx.get_peak_memory())}

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplugin.cache.layers import dense_nbytes, entry_nbytes, entry_tokens, layer_bits
+from kvplugin.cache.pressure import AdmissionControl
 from kvplugin.cache.release import mlx_memory
 from kvplugin.cache.store import PromptStore
 from kvplugin.settings import KVPluginSettings, option_info
@@ -139,6 +140,7 @@ class KVService:
             on_evict=self._on_evict,
             after_evictions=self.release_memory,
         )
+        self.admission = AdmissionControl(settings, self.store, hook)
 
     def model_key(self, fingerprint: str) -> str:
         """The store's model key for a checkpoint ``fingerprint`` served by this process."""
@@ -412,6 +414,7 @@ class KVService:
         out["cold_tier"] = tier  # the cold tier's own counters; None: no cold tier
         out["cold_corrupt"] = tier.get("corrupt") if tier else None
         out.update(mlx_memory())
+        out.update(self.admission.stats())
         out["host"] = self.host
         out["hot_cache_only"] = s.hot_cache_only
         out["max_kv_size"] = s.max_kv_size

@@ -194,6 +194,7 @@ class MlxLmAdapter(HostAdapter):
         self._server, self._cache_mod = server, cache_mod
 
         original_mpc = cache_mod.make_prompt_cache
+        self._original_mpc = original_mpc
         wrapped_mpc = self._wrap_make_prompt_cache(original_mpc)
         patches.replace(cache_mod, "make_prompt_cache", wrapped_mpc)
         patches.replace(server, "make_prompt_cache", wrapped_mpc)
@@ -216,12 +217,18 @@ class MlxLmAdapter(HostAdapter):
         patches.replace(provider, "_load", self._wrap_load(provider._load))
         patches.replace(provider, "load_default", self._wrap_load_default(provider.load_default))
         patches.replace(server.APIHandler, "do_GET", self._wrap_do_get(server.APIHandler.do_GET))
+        from kvplugin.hosts.mlx_lm_admission import install_admission
+
+        install_admission(self, server, patches)
 
     def _check_seams(self, server: Any, cache_mod: Any, gen_mod: Any) -> None:
         """Fail closed: every seam present, with the signature this adapter was written for."""
         for name in ("main", "run", "LRUPromptCache", "make_prompt_cache", "ModelProvider",
                      "APIHandler", "ResponseGenerator"):
             require(hasattr(server, name), f"mlx_lm.server.{name} is missing")
+        from kvplugin.hosts.mlx_lm_admission import check_admission_seams
+
+        check_admission_seams(server)
         mpc = cache_mod.make_prompt_cache
         require(server.make_prompt_cache is mpc,
                  "mlx_lm.server.make_prompt_cache is not mlx_lm.models.cache's")
@@ -452,6 +459,7 @@ class MlxLmAdapter(HostAdapter):
             if problem is not None:
                 _unload(provider)
                 raise _StartupError(problem)
+            adapter._learn_model(provider.model)
             return result
 
         return _load
@@ -467,6 +475,17 @@ class MlxLmAdapter(HostAdapter):
                 fail_start(str(err))
 
         return load_default
+
+    def _learn_model(self, model: Any) -> None:
+        """Admission control learns the model's memory per token (in the generation thread,
+        which runs the model), from a fresh cache shaped as a request's would be."""
+        service = self.service
+        if service is None or service.admission.ledger is None:
+            return
+        fresh = self._original_mpc(model)
+        shaped = service.hook.kvplugin_make_cache(model=model, cache=fresh,
+                                                  settings=service.settings)
+        service.admission.learn_model(model, fresh if shaped is None else shaped)
 
     def _group_size_problem(self, model: Any) -> str | None:
         return self.model_problem(model, self.settings, self.given_flags)
