@@ -210,10 +210,16 @@ class Ledger:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe_idle(self, active: int, stored: int) -> None:
-        """With nothing in flight, MLX's active memory minus the stored entries is the base."""
+        """With nothing in flight, MLX's active memory minus the stored entries is the base.
+
+        It only ever goes down: right after a request ends its cache may still be alive for a
+        moment (the host drops it after answering), which must not be mistaken for the model.
+        What requests really hold is checked against MLX's active memory at every admission.
+        """
         with self._lock:
             if not self.reserved:
-                self.base = max(0, active - stored)
+                seen = max(0, active - stored)
+                self.base = seen if self.base is None else min(self.base, seen)
 
     def judge(self, key: int, need: int, *, stored: int, active: int,
               retry_after_s: int = 1) -> tuple[Verdict, int]:
