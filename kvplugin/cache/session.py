@@ -156,6 +156,16 @@ class KVService:
                 self.counters.caches_bounded += 1
         return cache if shaped is None else shaped
 
+    def learn_model(self, model: Any, fresh_cache: list) -> None:
+        """A host loaded ``model``: admission control probes its memory per token, with a
+        fresh cache shaped as a request's (not counted as one). Call it in the thread that
+        runs the model, before it serves."""
+        if self.admission.ledger is None:
+            return
+        shaped = self.hook.kvplugin_make_cache(model=model, cache=fresh_cache,
+                                               settings=self.settings)
+        self.admission.learn_model(model, fresh_cache if shaped is None else shaped)
+
     def batch_steps(self) -> dict[str, int]:
         """Class ``step`` of mlx-lm's batch caches, by class name (a host sets them).
 

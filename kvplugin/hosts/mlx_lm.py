@@ -479,13 +479,8 @@ class MlxLmAdapter(HostAdapter):
     def _learn_model(self, model: Any) -> None:
         """Admission control learns the model's memory per token (in the generation thread,
         which runs the model), from a fresh cache shaped as a request's would be."""
-        service = self.service
-        if service is None or service.admission.ledger is None:
-            return
-        fresh = self._original_mpc(model)
-        shaped = service.hook.kvplugin_make_cache(model=model, cache=fresh,
-                                                  settings=service.settings)
-        service.admission.learn_model(model, fresh if shaped is None else shaped)
+        if self.service is not None:
+            self.service.learn_model(model, self._original_mpc(model))
 
     def _group_size_problem(self, model: Any) -> str | None:
         return self.model_problem(model, self.settings, self.given_flags)

@@ -107,6 +107,9 @@ def wrap_start(original: Callable, adapter: Any) -> Callable:
                 adapter.check_model(model, hard=True)
                 with rt.lock:
                     rt.simple_models[id(model)] = rt.model_key(model)
+                from mlx_lm.models.cache import make_prompt_cache
+
+                rt.service.learn_model(model, make_prompt_cache(model))
         return result
 
     return start
@@ -188,6 +191,8 @@ def cached_generation(original: Callable, service: Any, key: str, model: Any, to
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     tokens = tokens_of(tokenizer, prompt)
+    ticket = object()  # this generation's reservation under --max-memory
+    admit(service, ticket, model, len(tokens), max_tokens, kwargs)
     cache, n = None, 0
     if len(tokens) >= 2 and not kwargs.get("logits_processors"):
         cache, n = service.fetch(key, tokens)
@@ -215,6 +220,27 @@ def cached_generation(original: Callable, service: Any, key: str, model: Any, to
     finally:
         if ok:
             give_back(service, key, tokens + generated, cache)
+        service.admission.finish(id(ticket))
+
+
+def admit(service: Any, ticket: object, model: Any, prompt_tokens: int, max_tokens: int,
+          kwargs: dict) -> None:
+    """The session's admission control, answered the way vllm-mlx answers errors: an
+    ``HTTPException`` (413, or 503 with ``Retry-After``), which its routes pass through."""
+    from kvplugin.cache.admission import AdmissionRefused
+
+    try:
+        service.admission.admit(id(ticket), model, prompt_tokens=prompt_tokens,
+                                max_tokens=int(max_tokens or 0),
+                                prefill_chunk=int(kwargs.get("prefill_step_size") or 2048))
+    except AdmissionRefused as exc:
+        from fastapi import HTTPException
+
+        verdict = exc.verdict
+        headers = ({"Retry-After": str(verdict.retry_after_s)}
+                   if verdict.retry_after_s is not None else None)
+        raise HTTPException(status_code=verdict.status, detail=verdict.reason,
+                            headers=headers) from None
 
 
 def give_back(service: Any, key: str, sequence: list[int], cache: list) -> None:
