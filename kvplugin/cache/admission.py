@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,7 +206,7 @@ class Ledger:
     """Reservations of the requests in flight, against one limit (thread-safe)."""
 
     limit: int
-    reserved: dict[int, int] = field(default_factory=dict)
+    reserved: dict[Hashable, int] = field(default_factory=dict)
     base: int | None = None  # MLX memory that is neither a stored entry nor a request
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -221,7 +222,7 @@ class Ledger:
                 seen = max(0, active - stored)
                 self.base = seen if self.base is None else min(self.base, seen)
 
-    def judge(self, key: int, need: int, *, stored: int, active: int,
+    def judge(self, key: Hashable, need: int, *, stored: int, active: int,
               retry_after_s: int = 1) -> tuple[Verdict, int]:
         """The verdict for ``need`` bytes (reserved under ``key`` when admitted), and how
         many stored bytes must go first (0: none).
@@ -250,12 +251,12 @@ class Ledger:
             excess = in_use + need + stored - self.limit
             return Verdict(200, need, self.limit), max(0, excess)
 
-    def force(self, key: int, need: int) -> None:
+    def force(self, key: Hashable, need: int) -> None:
         """Reserve ``need`` whatever the limit (a plugin admitted the request)."""
         with self._lock:
             self.reserved[key] = need
 
-    def release(self, key: int) -> bool:
+    def release(self, key: Hashable) -> bool:
         with self._lock:
             return self.reserved.pop(key, None) is not None
 

@@ -15,6 +15,7 @@ is the policy around it that the session owns and every host adapter calls the s
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from typing import Any
 
 from kvplugin.cache.admission import AdmissionRefused, Footprint, Ledger, Verdict, probe_footprint
@@ -62,7 +63,7 @@ class AdmissionControl:
         self.ledger.observe_idle(int(mx.get_active_memory()), self.store.nbytes)
 
     # -- requests -------------------------------------------------------------------------
-    def admit(self, key: int, model: Any, *, prompt_tokens: int, max_tokens: int,
+    def admit(self, key: Hashable, model: Any, *, prompt_tokens: int, max_tokens: int,
               prefill_chunk: int) -> Verdict | None:
         """Admit (reserving) or raise :class:`AdmissionRefused`. None: no admission control."""
         ledger = self.ledger
@@ -106,7 +107,7 @@ class AdmissionControl:
         with self._lock:
             self.pressure_evictions += self.store.stats().evictions - before
 
-    def finish(self, key: int) -> None:
+    def finish(self, key: Hashable) -> None:
         """The request is over (answered, failed or refused): release its reservation."""
         ledger = self.ledger
         if ledger is None or not ledger.release(key):

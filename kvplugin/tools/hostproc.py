@@ -86,7 +86,7 @@ class ServerHTTPError(RuntimeError):
     def __init__(self, method: str, url: str, status: int, body: Any,
                  headers: Mapping[str, str] | None = None):
         self.status, self.body, self.url = status, body, url
-        self.headers = dict(headers or {})
+        self.headers = headers if headers is not None else {}  # case-insensitive from HTTP
         text = body if isinstance(body, str) else json.dumps(body)
         super().__init__(f"{method} {url} -> HTTP {status}: {text[:2000]}")
 
@@ -472,17 +472,17 @@ class ServerProcess:
         return status, decoded
 
     def exchange(self, method: str, path: str, body: Any = None,
-                 timeout: float | None = None) -> tuple[int, Any, dict[str, str]]:
-        """:meth:`request`, plus the response headers."""
+                 timeout: float | None = None) -> tuple[int, Any, Any]:
+        """:meth:`request`, plus the response headers (case-insensitive ``get``)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
-                status, raw, headers = r.status, r.read(), dict(r.headers.items())
+                status, raw, headers = r.status, r.read(), r.headers
         except urllib.error.HTTPError as e:
-            status, raw, headers = e.code, e.read(), dict(e.headers.items())
+            status, raw, headers = e.code, e.read(), e.headers
         text = raw.decode("utf-8", errors="replace")
         try:
             return status, json.loads(text), headers

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvplugin.hosts.base import PatchRegistry, require_attrs
+from kvplugin.hosts.vllm_mlx.admission import admit_or_raise
 from kvplugin.log import say
 
 #: A caller-made cache, embeddings, live quantization or speculative decoding: stock path.
@@ -192,7 +193,8 @@ def cached_generation(original: Callable, service: Any, key: str, model: Any, to
         tokenizer = TokenizerWrapper(tokenizer)
     tokens = tokens_of(tokenizer, prompt)
     ticket = object()  # this generation's reservation under --max-memory
-    admit(service, ticket, model, len(tokens), max_tokens, kwargs)
+    admit_or_raise(service, id(ticket), model, prompt_tokens=len(tokens), max_tokens=max_tokens,
+                   prefill_chunk=int(kwargs.get("prefill_step_size") or 2048))
     cache, n = None, 0
     if len(tokens) >= 2 and not kwargs.get("logits_processors"):
         cache, n = service.fetch(key, tokens)
@@ -221,26 +223,6 @@ def cached_generation(original: Callable, service: Any, key: str, model: Any, to
         if ok:
             give_back(service, key, tokens + generated, cache)
         service.admission.finish(id(ticket))
-
-
-def admit(service: Any, ticket: object, model: Any, prompt_tokens: int, max_tokens: int,
-          kwargs: dict) -> None:
-    """The session's admission control, answered the way vllm-mlx answers errors: an
-    ``HTTPException`` (413, or 503 with ``Retry-After``), which its routes pass through."""
-    from kvplugin.cache.admission import AdmissionRefused
-
-    try:
-        service.admission.admit(id(ticket), model, prompt_tokens=prompt_tokens,
-                                max_tokens=int(max_tokens or 0),
-                                prefill_chunk=int(kwargs.get("prefill_step_size") or 2048))
-    except AdmissionRefused as exc:
-        from fastapi import HTTPException
-
-        verdict = exc.verdict
-        headers = ({"Retry-After": str(verdict.retry_after_s)}
-                   if verdict.retry_after_s is not None else None)
-        raise HTTPException(status_code=verdict.status, detail=verdict.reason,
-                            headers=headers) from None
 
 
 def give_back(service: Any, key: str, sequence: list[int], cache: list) -> None:
