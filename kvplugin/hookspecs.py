@@ -34,8 +34,9 @@ if TYPE_CHECKING:
     from kvplugin.settings import KVPluginSettings
 
 PROJECT = "kvplugin"
-#: Version 2 added ``kvplugin_unconfigure``; version 3 ``kvplugin_cache_event``.
-HOOK_API_VERSION = 3
+#: Version 2 added ``kvplugin_unconfigure``; version 3 ``kvplugin_cache_event``; version 4
+#: ``kvplugin_admit``.
+HOOK_API_VERSION = 4
 #: The attribute a plugin sets to the contract version it needs.
 API_VERSION_ATTR = "kvplugin_hook_api_version"
 
@@ -132,4 +133,20 @@ def kvplugin_cache_event(event: str, tokens: int, nbytes: int) -> None:
     (``python -m kvplugin.tools.memtrace``) or a metrics plugin reads memory right here,
     from one place, instead of patching every seam a second time. Called on the thread
     doing the work; keep it cheap.
+    """
+
+
+@hookspec(firstresult=True)
+def kvplugin_admit(need: int, limit: int, in_use: int, stored: int,
+                   settings: KVPluginSettings) -> int | None:
+    """Admission policy (``--max-memory``): called once per request, before its prefill.
+
+    ``need``: kvplugin's estimate of the bytes the request adds to MLX's memory (its KV cache
+    for prompt + max_tokens, one prefill chunk, the fetched entry's dequantize transient).
+    ``limit``: the limit in force. ``in_use``: bytes reserved by requests in flight.
+    ``stored``: bytes of stored entries (evictable). Return an HTTP status: 200 admits (the
+    request still counts against the limit), 413 or 503 refuses; ``None`` leaves the
+    decision to kvplugin (admit if it fits, evicting stored entries first; 413 if it can
+    never fit; 503 + ``Retry-After`` while requests in flight hold the memory). Not called
+    when admission control is off (``--max-memory off``).
     """

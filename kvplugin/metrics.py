@@ -32,6 +32,16 @@ COUNTERS = (
     ("tokens_reused", "Prompt tokens served from the cache.", "store_tokens_reused"),
     ("entries_invalid", "Fetched cold-tier entries that did not fit the model (layer count, "
      "kind, dtype or width): never served.", "entries_invalid"),
+    ("memory_releases", "Times kvplugin emptied MLX's buffer cache after evicting entries.",
+     "memory_releases"),
+    ("bytes_released", "Bytes those releases handed back to the system (MLX buffer cache).",
+     "bytes_released"),
+    ("admitted", "Requests admission control admitted (--max-memory).", "admitted"),
+    ("refused_too_large", "Requests refused with 413: they can never fit under --max-memory.",
+     "refused_too_large"),
+    ("refused_busy", "Requests refused with 503: requests in flight held the memory.",
+     "refused_busy"),
+    ("pressure_evictions", "Stored entries evicted to admit a request.", "pressure_evictions"),
     ("cold_corrupt", "Cold-tier files whose data failed its digest or header check (removed, "
      "never served; no sample: no cold tier).", "cold_corrupt"),
     ("cold_unreadable", "Cold-tier files that could not be read (I/O error; no sample: no "
@@ -55,6 +65,14 @@ GAUGES = (
      "sharing it, at the last scan (no sample: no cold tier).", "cold_disk_bytes"),
     ("cold_symlinks", "Symlinks the cold tier found in place of entries and skipped (no "
      "sample: no cold tier).", "cold_symlinks"),
+    ("max_memory_bytes", "The admission limit in force (--max-memory; no sample: off).",
+     "max_memory"),
+    ("admission_reserved_bytes", "Bytes reserved by requests in flight (no sample: off).",
+     "admission_reserved"),
+    ("mlx_active_bytes", "MLX active memory of the whole process (arrays alive), as MLX reports.",
+     "mlx_active_memory"),
+    ("mlx_cache_bytes", "MLX buffer cache of the whole process (freed, not yet returned).",
+     "mlx_cache_memory"),
 )
 
 

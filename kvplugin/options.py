@@ -28,6 +28,7 @@ _TYPES = {
     "kv_cache_min_quantize_tokens": int,
     "max_kv_size": int,
     "kv_cache_step": int,
+    "max_memory": str,
     "ssd_cache_dir": Path,
     "ssd_cache_max_gb": float,
 }
@@ -38,6 +39,7 @@ _METAVARS = {
     "kv_cache_min_quantize_tokens": "TOKENS",
     "max_kv_size": "TOKENS",
     "kv_cache_step": "TOKENS",
+    "max_memory": "SIZE",
     "ssd_cache_dir": "DIR",
     "ssd_cache_max_gb": "GB",
 }

@@ -140,6 +140,15 @@ class KVPluginSettings(BaseSettings):
         "is served, never written.",
         json_schema_extra={"allowed": "a writable directory path, or an existing readable one"},
     )
+    max_memory: str = Field(
+        "auto",
+        description="Admission limit on the process's MLX memory: a request whose estimated "
+        "peak does not fit is refused (413, or 503 + Retry-After while others hold the "
+        "memory) instead of running out of memory. 'auto': the machine's physical memory; "
+        "'off': no admission control.",
+        json_schema_extra={"allowed": "bytes with a unit (12GiB, 800MB, 1e9), a fraction of "
+                                      "physical memory (0.75, 75%), auto or off"},
+    )
     ssd_cache_max_gb: float = Field(
         10.0,
         description="Size bound of the cold tier in GB (10^9 bytes): of everything in the "
@@ -195,6 +204,15 @@ class KVPluginSettings(BaseSettings):
             raise ValueError("must be > 0")
         return v
 
+    @field_validator("max_memory", mode="before")
+    @classmethod
+    def _memory_size(cls, v: Any) -> str:
+        from kvplugin.cache.admission import parse_memory_limit
+
+        text = str(v).strip()
+        parse_memory_limit(text)  # ValueError names what is wrong
+        return text.lower() if text.lower() in ("auto", "off") else text
+
     @field_validator("ssd_cache_max_gb")
     @classmethod
     def _positive_float(cls, v: float) -> float:
@@ -220,6 +238,13 @@ class KVPluginSettings(BaseSettings):
         if not os.access(probe, os.W_OK | os.X_OK):
             raise ValueError(f"{probe} is not writable")
         return v
+
+    @property
+    def max_memory_bytes(self) -> int | None:
+        """The admission limit in bytes; ``None``: no admission control (``off``)."""
+        from kvplugin.cache.admission import parse_memory_limit
+
+        return parse_memory_limit(self.max_memory)
 
     @property
     def ssd_cache_max_bytes(self) -> int:

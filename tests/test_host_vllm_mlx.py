@@ -123,6 +123,15 @@ def _fake_vllm() -> types.SimpleNamespace:
         def ensure_ssd_tier(self):
             return "host tier"
 
+        def add_request(self, request):  # admission control's seams (--max-memory)
+            return "added"
+
+        def _cleanup_finished(self, finished_ids):
+            return None
+
+        def abort_request(self, request_id):
+            return True
+
     sched.Scheduler = Scheduler
 
     server = types.ModuleType("vllm_mlx.server")
@@ -323,6 +332,8 @@ def test_serving_patches_every_seam_and_uninstall_restores_everything(adapter, f
              (f.simple, "build_system_prompt_cache_prefix"), (f.simple.SimpleEngine, "__init__"),
              (f.simple.SimpleEngine, "start"), (f.simple.SimpleEngine, "stop"),
              (f.scheduler, "MemoryAwarePrefixCache"), (f.scheduler.Scheduler, "ensure_ssd_tier"),
+             (f.scheduler.Scheduler, "add_request"), (f.scheduler.Scheduler, "_cleanup_finished"),
+             (f.scheduler.Scheduler, "abort_request"),
              (cache_mod.BatchKVCache, "step"), (cache_mod.BatchRotatingKVCache, "step"),
              (f.batched.BatchedEngine, "save_cache_to_disk"),
              (f.batched.BatchedEngine, "load_cache_from_disk"), (f.server, "load_model"),

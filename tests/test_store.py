@@ -666,3 +666,21 @@ def test_foreign_files_in_the_root_are_never_touched(tmp_path):
     assert weights.read_bytes() == b"not a kvplugin file" and other.exists()
     assert stat.S_IMODE(os.stat(weights.parent).st_mode) == 0o755
     assert len(SSDTier(root, max_bytes=1 << 30)) == 1
+
+
+def test_after_evictions_runs_once_per_batch_of_evictions():
+    """The session hands freed memory back here: once per insert that evicted, never else."""
+    from kvplugin.cache.layers import entry_nbytes
+
+    small, big = kv([1, 2]), kv(list(range(100, 400)))
+    calls = []
+    store = PromptStore(max_bytes=2 * entry_nbytes(small),
+                        after_evictions=lambda: calls.append(len(store)))
+    assert entry_nbytes(big) >= 2 * entry_nbytes(small)
+    store.insert("m", [1, 2], small)
+    store.insert("m", [3, 4], kv([3, 4]))
+    assert calls == []  # nothing evicted yet
+    store.insert("m", list(range(100, 400)), big)  # evicts both older entries at once
+    assert calls == [1] and store.stats().evictions == 2
+    store.fetch("m", [9])
+    assert calls == [1]

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from kvplugin.cache.layers import dense_nbytes, entry_nbytes, entry_tokens, layer_bits
+from kvplugin.cache.pressure import AdmissionControl
+from kvplugin.cache.release import mlx_memory
 from kvplugin.cache.store import PromptStore
 from kvplugin.settings import KVPluginSettings, option_info
 
@@ -57,6 +59,8 @@ class Counters:
     caches_bounded: int = 0
     entries_rejected: int = 0  # finished caches kvplugin could not store (see rejected_by_kind)
     entries_invalid: int = 0  # fetched entries that did not fit the model (never served)
+    memory_releases: int = 0  # MLX buffer-cache releases after evictions
+    bytes_released: int = 0  # bytes those releases handed back to the system
 
     @property
     def bytes_saved(self) -> int:
@@ -146,7 +150,9 @@ class KVService:
             max_entries=max_entries,
             cold=cold,
             on_evict=self._on_evict,
+            after_evictions=self.release_memory,
         )
+        self.admission = AdmissionControl(settings, self.store, hook)
 
     def model_key(self, fingerprint: str) -> str:
         """The store's model key for a checkpoint ``fingerprint`` served by this process."""
@@ -161,6 +167,16 @@ class KVService:
             if shaped is not None and self.settings.max_kv_size is not None:
                 self.counters.caches_bounded += 1
         return cache if shaped is None else shaped
+
+    def learn_model(self, model: Any, fresh_cache: list) -> None:
+        """A host loaded ``model``: admission control probes its memory per token, with a
+        fresh cache shaped as a request's (not counted as one). Call it in the thread that
+        runs the model, before it serves."""
+        if self.admission.ledger is None:
+            return
+        shaped = self.hook.kvplugin_make_cache(model=model, cache=fresh_cache,
+                                               settings=self.settings)
+        self.admission.learn_model(model, fresh_cache if shaped is None else shaped)
 
     def batch_steps(self) -> dict[str, int]:
         """Class ``step`` of mlx-lm's batch caches, by class name (a host sets them).
@@ -431,6 +447,16 @@ class KVService:
             if self._owns_configure:
                 self.hook.kvplugin_unconfigure(settings=self.settings, host=self.host)
 
+    def release_memory(self) -> int:
+        """Hand MLX's buffer cache back to the system (after evictions); counted."""
+        from kvplugin.cache.release import release_buffer_cache
+
+        released = release_buffer_cache()
+        with self._lock:
+            self.counters.memory_releases += 1
+            self.counters.bytes_released += released
+        return released
+
     # -- reporting ----------------------------------------------------------------------------
     def _on_evict(self, entry: Any) -> None:
         self._event("evict", len(entry.tokens), entry.cache)
@@ -456,6 +482,8 @@ class KVService:
         for name in COLD_FIELDS:  # flat, for /metrics; None: no cold tier (or not kept)
             value = tier.get(name) if tier else None
             out[f"cold_{name}"] = value if isinstance(value, int) else None
+        out.update(mlx_memory())
+        out.update(self.admission.stats())
         out["host"] = self.host
         out["hot_cache_only"] = s.hot_cache_only
         out["max_kv_size"] = s.max_kv_size

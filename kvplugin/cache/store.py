@@ -174,6 +174,8 @@ class PromptStore:
     ``cold``: optional :class:`ColdTier` receiving evicted/oversized entries.
     ``on_evict``: observer called with each evicted :class:`StoreEntry` (outside
     the lock, before the spill; exceptions are logged and ignored).
+    ``after_evictions``: called once after a batch of evictions has been disposed of (the
+    session hands the freed memory back to the system there).
     """
 
     def __init__(
@@ -183,6 +185,7 @@ class PromptStore:
         max_entries: int | None = None,
         cold: ColdTier | None = None,
         on_evict: Callable[[StoreEntry], None] | None = None,
+        after_evictions: Callable[[], None] | None = None,
     ):
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
@@ -192,6 +195,7 @@ class PromptStore:
         self.max_entries = max_entries
         self.cold = cold
         self.on_evict = on_evict
+        self.after_evictions = after_evictions
         self._lock = threading.RLock()
         self._index = KeyIndex(size=lambda e: e.nbytes)  # (model_key, tokens) -> StoreEntry
         self._owner: dict[int, StoreEntry] = {}  # id(first layer) -> entry holding it
@@ -269,7 +273,9 @@ class PromptStore:
         return out
 
     def _dispose(self, evicted: list, *, spill: bool = True) -> None:
-        """Outside the lock: observer hook, then spill or discard."""
+        """Outside the lock: observer hook, then spill or discard; then ``after_evictions``
+        (once, when every evicted entry has been let go)."""
+        released = False
         evicted.reverse()
         while evicted:
             entry = evicted.pop()  # release each entry as soon as it is handled
@@ -281,7 +287,13 @@ class PromptStore:
             ok = spill and self.cold is not None and self._cold_put(entry.model_key, entry.tokens, entry.cache)
             with self._lock:
                 self._c["spills" if ok else "discarded"] += 1
+            released = True
         entry = None
+        if released and self.after_evictions is not None:
+            try:
+                self.after_evictions()
+            except Exception:
+                log.exception("kvplugin: after_evictions hook failed")
 
     def _cold_put(self, model_key, key, cache) -> bool:
         try:
@@ -351,6 +363,7 @@ class PromptStore:
         price = entry_nbytes(cache) if nbytes is None else int(nbytes)
         entry = StoreEntry(model_key, key, cache, price, prompt_len)
         evicted: list = []
+        held = old = prev = None
         with self._lock:
             hot = price <= self.max_bytes and self.max_entries != 0
             held = self._owner.get(id(cache[0]))
@@ -376,6 +389,7 @@ class PromptStore:
                             self._remove(prev)
                 n_entries = self.max_entries if self.max_entries is not None else 1 << 62
                 evicted = self._evict_until(self.max_bytes, n_entries, keep=entry)
+        held = old = prev = None  # let go of every other entry before the memory is released
         self._dispose(evicted)
         if hot:
             return True

@@ -200,6 +200,7 @@ class MlxLmAdapter(HostAdapter):
         self._server, self._cache_mod = server, cache_mod
 
         original_mpc = cache_mod.make_prompt_cache
+        self._original_mpc = original_mpc
         wrapped_mpc = self._wrap_make_prompt_cache(original_mpc)
         patches.replace(cache_mod, "make_prompt_cache", wrapped_mpc)
         patches.replace(server, "make_prompt_cache", wrapped_mpc)
@@ -225,12 +226,18 @@ class MlxLmAdapter(HostAdapter):
         from kvplugin.hosts.mlx_lm_guard import guard_generation
 
         guard_generation(patches, server.ResponseGenerator)
+        from kvplugin.hosts.mlx_lm_admission import install_admission
+
+        install_admission(self, server, patches)
 
     def _check_seams(self, server: Any, cache_mod: Any, gen_mod: Any) -> None:
         """Fail closed: every seam present, with the signature this adapter was written for."""
         for name in ("main", "run", "LRUPromptCache", "make_prompt_cache", "ModelProvider",
                      "APIHandler", "ResponseGenerator"):
             require(hasattr(server, name), f"mlx_lm.server.{name} is missing")
+        from kvplugin.hosts.mlx_lm_admission import check_admission_seams
+
+        check_admission_seams(server)
         mpc = cache_mod.make_prompt_cache
         require(server.make_prompt_cache is mpc,
                  "mlx_lm.server.make_prompt_cache is not mlx_lm.models.cache's")
@@ -476,6 +483,7 @@ class MlxLmAdapter(HostAdapter):
             if problem is not None:
                 _unload(provider)
                 raise _StartupError(problem)
+            adapter._learn_model(provider.model)
             return result
 
         return _load
@@ -491,6 +499,12 @@ class MlxLmAdapter(HostAdapter):
                 fail_start(str(err))
 
         return load_default
+
+    def _learn_model(self, model: Any) -> None:
+        """Admission control learns the model's memory per token (in the generation thread,
+        which runs the model), from a fresh cache shaped as a request's would be."""
+        if self.service is not None:
+            self.service.learn_model(model, self._original_mpc(model))
 
     def _group_size_problem(self, model: Any) -> str | None:
         return self.model_problem(model, self.settings, self.given_flags)

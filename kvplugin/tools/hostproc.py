@@ -83,8 +83,10 @@ class ServerStartError(RuntimeError):
 class ServerHTTPError(RuntimeError):
     """Non-2xx answer. ``status`` and ``body`` (decoded JSON or text) are attached."""
 
-    def __init__(self, method: str, url: str, status: int, body: Any):
+    def __init__(self, method: str, url: str, status: int, body: Any,
+                 headers: Mapping[str, str] | None = None):
         self.status, self.body, self.url = status, body, url
+        self.headers = headers if headers is not None else {}  # case-insensitive from HTTP
         text = body if isinstance(body, str) else json.dumps(body)
         super().__init__(f"{method} {url} -> HTTP {status}: {text[:2000]}")
 
@@ -466,20 +468,26 @@ class ServerProcess:
                 timeout: float | None = None) -> tuple[int, Any]:
         """Any request; returns ``(status, decoded JSON or text)`` without raising
         on HTTP errors (connection errors do raise)."""
+        status, decoded, _ = self.exchange(method, path, body, timeout)
+        return status, decoded
+
+    def exchange(self, method: str, path: str, body: Any = None,
+                 timeout: float | None = None) -> tuple[int, Any, Any]:
+        """:meth:`request`, plus the response headers (case-insensitive ``get``)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
-                status, raw = r.status, r.read()
+                status, raw, headers = r.status, r.read(), r.headers
         except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
+            status, raw, headers = e.code, e.read(), e.headers
         text = raw.decode("utf-8", errors="replace")
         try:
-            return status, json.loads(text)
+            return status, json.loads(text), headers
         except ValueError:
-            return status, text
+            return status, text, headers
 
     def get(self, path: str, timeout: float | None = None) -> Any:
         status, body = self.request("GET", path, timeout=timeout)
@@ -488,9 +496,9 @@ class ServerProcess:
         return body
 
     def post(self, path: str, body: Mapping[str, Any], timeout: float | None = None) -> Any:
-        status, out = self.request("POST", path, dict(body), timeout=timeout)
+        status, out, headers = self.exchange("POST", path, dict(body), timeout=timeout)
         if not 200 <= status < 300:
-            raise ServerHTTPError("POST", self.url + path, status, out)
+            raise ServerHTTPError("POST", self.url + path, status, out, headers)
         return out
 
     def _payload(self, max_tokens: int, temperature: float, seed: int | None,

@@ -38,7 +38,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from kvplugin.hosts.base import HostAdapter, PatchRegistry, fail_start, require_attrs
-from kvplugin.hosts.vllm_mlx import batching, metrics, simple
+from kvplugin.hosts.vllm_mlx import admission, batching, metrics, simple
 from kvplugin.hosts.vllm_mlx.runtime import Runtime
 from kvplugin.hosts.base import config_of
 from kvplugin.hosts.vllm_mlx.startup import announce
@@ -252,6 +252,7 @@ class VllmMlxAdapter(HostAdapter):
         # every seam first: nothing is replaced unless all are there
         simple.check_seams(mlx_lm, gen_mod, host_simple)
         batching.check_seams(scheduler, memory_cache, batched, mlc)
+        admission.check_seams(scheduler)
         metrics.check_seams(host_metrics, server)
         require_attrs(server, "load_model")
 
@@ -263,6 +264,7 @@ class VllmMlxAdapter(HostAdapter):
         register_with_mlx_lm(patches)
         simple.install(patches, self, mlx_lm, gen_mod, host_simple)
         batching.install(patches, self, scheduler, memory_cache, batched, mlc)
+        admission.install(patches, self, scheduler)
         # the model check from the resolved model path (0.6.0 passes it)
         patches.replace(server, "load_model", self.wrap_load_model(server.load_model))
         metrics.install(patches, self, host_metrics, server)

@@ -127,6 +127,9 @@ class KVPrefixCache:
         self._rejections = 0
         if rt.settings is not None and rt.settings.kv_cache_quantization:
             self._adapter.check_model(model, hard=True)
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self._service.learn_model(model, make_prompt_cache(model))
 
     # -- what the scheduler reads directly -------------------------------------------
     @property

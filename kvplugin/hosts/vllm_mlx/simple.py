@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvplugin.hosts.base import PatchRegistry, require_attrs
+from kvplugin.hosts.vllm_mlx.admission import admit_or_raise
 from kvplugin.log import say
 
 #: A caller-made cache, embeddings, live quantization or speculative decoding: stock path.
@@ -107,6 +108,9 @@ def wrap_start(original: Callable, adapter: Any) -> Callable:
                 adapter.check_model(model, hard=True)
                 with rt.lock:
                     rt.simple_models[id(model)] = rt.model_key(model)
+                from mlx_lm.models.cache import make_prompt_cache
+
+                rt.service.learn_model(model, make_prompt_cache(model))
         return result
 
     return start
@@ -188,6 +192,9 @@ def cached_generation(original: Callable, service: Any, key: str, model: Any, to
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     tokens = tokens_of(tokenizer, prompt)
+    ticket = object()  # this generation's reservation under --max-memory
+    admit_or_raise(service, id(ticket), model, prompt_tokens=len(tokens), max_tokens=max_tokens,
+                   prefill_chunk=int(kwargs.get("prefill_step_size") or 2048))
     cache, n = None, 0
     if len(tokens) >= 2 and not kwargs.get("logits_processors"):
         cache, n = service.fetch(key, tokens, model=model)
@@ -215,6 +222,7 @@ def cached_generation(original: Callable, service: Any, key: str, model: Any, to
     finally:
         if ok:
             give_back(service, key, tokens + generated, cache)
+        service.admission.finish(id(ticket))
 
 
 def give_back(service: Any, key: str, sequence: list[int], cache: list) -> None:

@@ -1,0 +1,88 @@
+"""``--max-memory``: a real ``mlx_lm.server`` refuses what it cannot hold instead of running out
+of memory, and keeps serving everyone else.
+
+The model is the KV-heavy llama (16 KiB of KV per token), so a request's memory is almost all
+KV and a limit of a few tens of MiB separates "fits", "fits only alone" and "never fits".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import harness
+import pytest
+from harness import answer_text
+
+from kvplugin.tools.hostproc import ServerHTTPError
+from kvplugin.tools.models.corpus import CORPUS
+
+WORDS = CORPUS.split()
+LIMIT = 80 << 20  # the model holds ~10 MiB; one 1.1k-token request needs ~41 MiB
+
+
+@pytest.fixture(scope="module")
+def srv(start_server, tmp_path_factory):
+    from kvplugin.tools.models.kv_heavy import build_kv_heavy_model
+
+    model = build_kv_heavy_model(tmp_path_factory.mktemp("kv-heavy"))
+    return start_server(harness.mlx_lm_server_cmd, "--max-memory", str(LIMIT),
+                        "--hot-cache-only", model_dir=model)
+
+
+def _prompt(tag: str, n_words: int) -> str:
+    text = " ".join((WORDS * 8)[:n_words])
+    return f"{tag}: {text}"
+
+
+def test_the_limit_is_in_force(srv):
+    deadline = time.monotonic() + 60  # the model loads (and is probed) after /health answers
+    while (stats := srv.get("/kvplugin/stats"))["admission_base"] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert stats["max_memory"] == LIMIT
+    assert stats["admission_base"] and stats["admission_base"] < LIMIT  # the model, probed
+
+
+def test_a_request_that_can_never_fit_gets_413_naming_limit_and_need(srv):
+    with pytest.raises(ServerHTTPError) as err:
+        srv.chat(_prompt("huge", 3000), max_tokens=8)  # ~4k tokens: ~70 MiB of KV alone, beyond the limit with the model
+    assert err.value.status == 413, err.value
+    message = str(err.value.body)
+    assert "--max-memory" in message and "KVPLUGIN_MAX_MEMORY" in message
+    assert "MiB" in message and "needs an estimated" in message
+    stats = srv.get("/kvplugin/stats")
+    assert stats["refused_too_large"] >= 1
+    # and the server goes on serving
+    assert answer_text(srv.chat(_prompt("small", 50), max_tokens=4)).strip()
+
+
+def test_two_large_concurrent_requests_give_one_503_and_the_retry_is_served(srv):
+    before = srv.get("/kvplugin/stats")
+    results: dict[str, object] = {}
+
+    def first():
+        try:  # long enough a decode that it is still in flight when the second arrives
+            results["first"] = srv.chat(_prompt("first", 700), max_tokens=300)
+        except Exception as exc:  # pragma: no cover - reported below
+            results["first"] = exc
+
+    t = threading.Thread(target=first)
+    t.start()
+    deadline = time.monotonic() + 60
+    while srv.get("/kvplugin/stats")["admission_reserved"] == 0:
+        assert time.monotonic() < deadline, "the first request was never admitted"
+        time.sleep(0.02)
+    with pytest.raises(ServerHTTPError) as err:
+        srv.chat(_prompt("second", 700), max_tokens=300)
+    assert err.value.status == 503, err.value
+    assert err.value.headers.get("Retry-After"), err.value
+    t.join(timeout=300)
+    assert answer_text(results["first"]).strip(), results
+    retry = srv.chat(_prompt("second", 700), max_tokens=300)
+    assert answer_text(retry).strip()
+    after = srv.get("/kvplugin/stats")
+    assert after["refused_busy"] == before["refused_busy"] + 1
+    assert after["admission_reserved"] == 0
+    # what MLX ever held stayed within the limit: the ledger reserves upper bounds
+    assert after["mlx_peak_memory"] <= LIMIT, (after["mlx_peak_memory"], LIMIT)
