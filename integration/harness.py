@@ -48,3 +48,48 @@ def server_fixture(
             srv.stop()
 
     return _server
+
+
+# --------------------------------------------------------------------------- #
+# admission control (--max-memory)
+
+
+def assert_busy_then_served(srv: ServerProcess, first: str, second: str, *, limit: int,
+                            max_tokens: int = 300) -> None:
+    """Two large requests at once under ``--max-memory``: while ``first`` is in flight,
+    ``second`` gets one 503 with ``Retry-After``; once ``first`` is answered, the retry is
+    served; nothing stays reserved and MLX's peak stayed within ``limit``."""
+    import threading
+    import time
+
+    import pytest
+
+    from kvplugin.tools.hostproc import ServerHTTPError
+
+    before = srv.get("/kvplugin/stats")
+    results: dict[str, Any] = {}
+
+    def run_first() -> None:
+        try:  # long enough a decode that it is still in flight when the second arrives
+            results["first"] = srv.chat(first, max_tokens=max_tokens)
+        except Exception as exc:  # pragma: no cover - reported below
+            results["first"] = exc
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while srv.get("/kvplugin/stats")["admission_reserved"] == 0:
+        assert time.monotonic() < deadline, "the first request was never admitted"
+        time.sleep(0.02)
+    with pytest.raises(ServerHTTPError) as err:
+        srv.chat(second, max_tokens=max_tokens)
+    assert err.value.status == 503, err.value
+    assert err.value.headers.get("Retry-After"), err.value.headers
+    thread.join(timeout=300)
+    assert answer_text(results["first"]).strip(), results
+    assert answer_text(srv.chat(second, max_tokens=max_tokens)).strip()
+    after = srv.get("/kvplugin/stats")
+    assert after["refused_busy"] == before["refused_busy"] + 1
+    assert after["admission_reserved"] == 0
+    # what MLX ever held stayed within the limit: the ledger reserves upper bounds
+    assert after["mlx_peak_memory"] <= limit, (after["mlx_peak_memory"], limit)

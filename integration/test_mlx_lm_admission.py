@@ -7,7 +7,6 @@ KV and a limit of a few tens of MiB separates "fits", "fits only alone" and "nev
 
 from __future__ import annotations
 
-import threading
 import time
 
 import harness
@@ -58,31 +57,5 @@ def test_a_request_that_can_never_fit_gets_413_naming_limit_and_need(srv):
 
 
 def test_two_large_concurrent_requests_give_one_503_and_the_retry_is_served(srv):
-    before = srv.get("/kvplugin/stats")
-    results: dict[str, object] = {}
-
-    def first():
-        try:  # long enough a decode that it is still in flight when the second arrives
-            results["first"] = srv.chat(_prompt("first", 700), max_tokens=300)
-        except Exception as exc:  # pragma: no cover - reported below
-            results["first"] = exc
-
-    t = threading.Thread(target=first)
-    t.start()
-    deadline = time.monotonic() + 60
-    while srv.get("/kvplugin/stats")["admission_reserved"] == 0:
-        assert time.monotonic() < deadline, "the first request was never admitted"
-        time.sleep(0.02)
-    with pytest.raises(ServerHTTPError) as err:
-        srv.chat(_prompt("second", 700), max_tokens=300)
-    assert err.value.status == 503, err.value
-    assert err.value.headers.get("Retry-After"), err.value
-    t.join(timeout=300)
-    assert answer_text(results["first"]).strip(), results
-    retry = srv.chat(_prompt("second", 700), max_tokens=300)
-    assert answer_text(retry).strip()
-    after = srv.get("/kvplugin/stats")
-    assert after["refused_busy"] == before["refused_busy"] + 1
-    assert after["admission_reserved"] == 0
-    # what MLX ever held stayed within the limit: the ledger reserves upper bounds
-    assert after["mlx_peak_memory"] <= LIMIT, (after["mlx_peak_memory"], LIMIT)
+    harness.assert_busy_then_served(srv, _prompt("first", 700), _prompt("second", 700),
+                                    limit=LIMIT)

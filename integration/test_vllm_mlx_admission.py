@@ -6,9 +6,9 @@ is nothing to answer 503 for: vllm-mlx's own lock answers "busy" itself.)"""
 
 from __future__ import annotations
 
-import threading
 import time
 
+import harness
 import pytest
 from harness import answer_text, vllm_mlx_serve_cmd
 
@@ -65,32 +65,7 @@ def test_a_request_that_can_never_fit_gets_413_and_the_server_goes_on(request, m
 
 def test_batching_two_large_concurrent_requests_give_one_503_and_the_retry_is_served(
         batching_srv):
-    srv = batching_srv
-    _probed(srv)
-    before = srv.get("/kvplugin/stats")
+    _probed(batching_srv)
     prompt = " ".join((WORDS * 8)[:700])  # ~1.1k tokens: ~41 MiB each with 300 new tokens
-    results: dict[str, object] = {}
-
-    def first():
-        try:
-            results["first"] = srv.chat("first: " + prompt, max_tokens=300)
-        except Exception as exc:  # pragma: no cover - reported below
-            results["first"] = exc
-
-    t = threading.Thread(target=first)
-    t.start()
-    deadline = time.monotonic() + 60
-    while srv.get("/kvplugin/stats")["admission_reserved"] == 0:
-        assert time.monotonic() < deadline, "the first request was never admitted"
-        time.sleep(0.02)
-    with pytest.raises(ServerHTTPError) as err:
-        srv.chat("second: " + prompt, max_tokens=300)
-    assert err.value.status == 503, err.value
-    assert err.value.headers.get("Retry-After"), err.value.headers
-    t.join(timeout=300)
-    assert answer_text(results["first"]).strip(), results
-    assert answer_text(srv.chat("second: " + prompt, max_tokens=300)).strip()
-    after = srv.get("/kvplugin/stats")
-    assert after["refused_busy"] == before["refused_busy"] + 1
-    assert after["admission_reserved"] == 0
-    assert after["mlx_peak_memory"] <= LIMIT
+    harness.assert_busy_then_served(batching_srv, "first: " + prompt, "second: " + prompt,
+                                    limit=LIMIT)
