@@ -10,8 +10,8 @@ cache holds the kv latent and the rope key; ``hidden_size / num_attention_heads`
 a multiple of 64, as in the real DeepSeek-V3); ``gemma3_text`` and ``gpt_oss`` (sliding
 window ``RotatingKVCache`` + full attention); ``qwen3_next`` (GatedDeltaNet ``ArraysCache`` +
 attention); ``falcon_h1`` (``CacheList`` of a Mamba-2 state and attention per layer);
-``llama4`` (``ChunkedKVCache`` + full attention; the multimodal ``llama4`` wrapper, which builds
-on every supported mlx-lm, unlike ``llama4_text`` on 0.31.3). Windows and chunks are 128
+``llama4`` (``ChunkedKVCache`` + full attention; the multimodal ``llama4`` wrapper, whose text
+model makes the chunked caches). Windows and chunks are 128
 tokens, so a ~1k-token conversation wraps them. Weights are fp32 (``gpt_oss``'s attention
 sinks need it; fp32 everywhere keeps the families alike).
 """
@@ -84,8 +84,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
                        max_position_embeddings=4096),
     },
     # Chunked attention (ChunkedKVCache, chunk 128) on layers 0-2, full attention on layer 3.
+    # mlx-lm 0.31.3's own server fails on it once a prompt passes a chunk (a stock mask of
+    # shape (1, 0) in the chunked layer's attention): served from 0.32.0 on.
     "llama4": {
-        "since": "0.31.3",
+        "since": "0.32.0",
         "config": dict(model_type="llama4", text_config=dict(
             model_type="llama4_text", attention_bias=False, attention_chunk_size=128,
             head_dim=64, hidden_size=64, interleave_moe_layer_step=2, intermediate_size=64,
