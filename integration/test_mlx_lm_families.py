@@ -133,3 +133,26 @@ def test_family_is_stored_reused_and_answers_like_stock(family, start_server):
     finally:
         for srv in servers:  # one family's servers at a time
             srv.stop()
+
+
+@pytest.mark.skipif(not available("llama4", VERSION), reason="llama4 needs mlx-lm >= 0.32.0")
+def test_bounded_chunked_conversation_says_why_its_next_turn_misses(start_server, tmp_path):
+    """Llama 4 (ChunkedKVCache) with --max-kv-size: the full-attention layer is bounded to a
+    wrapping window, which cannot be cut back to where the next prompt diverges (the reply
+    re-tokenized): the start-up line says so, and the entries are stored, bounded."""
+    srv = start_server(harness.mlx_lm_server_cmd, "--max-kv-size", "256",
+                       model_dir=build_family_model("llama4", tmp_path / "model"))
+    try:
+        log = srv.log_text()
+        assert "--max-kv-size 256: once a conversation passes 256 tokens" in log
+        assert "cannot be cut back" in log and "is a miss" in log
+        out: dict = {}
+        conversation(srv, 0, 3, out)
+        stats = srv.get("/kvplugin/stats")
+        assert stats["entries_stored"] >= 3 and stats["entries_rejected"] == 0, stats
+        layers = {name for e in stats["entries"] for name in e["layers"]}
+        assert "PreallocatedRotatingKVCache" in layers and "ChunkedKVCache" in layers, layers
+        # what the line says: the reply came back re-tokenized, so the turns missed
+        assert sum(out[0][1]) == stats["store_tokens_reused"], (out, stats)
+    finally:
+        srv.stop()

@@ -299,6 +299,15 @@ class MlxLmAdapter(HostAdapter):
                 f"in one step",
                 key="mlx-lm:max-kv-batched",
             )
+            say(
+                f"--max-kv-size {s.max_kv_size}: once a conversation passes {s.max_kv_size} "
+                f"tokens its bounded layers have wrapped and cannot be cut back, so its next "
+                f"turn reuses the stored entry only if the new prompt repeats the stored tokens "
+                f"(prompt and reply) one for one; a reply the chat template re-tokenizes "
+                f"differently is a miss (layers that stay unbounded, such as chunked ones, could "
+                f"be cut, but a stored entry is reused whole or not at all)",
+                key="mlx-lm:max-kv-continue",
+            )
 
     # -- wrappers --------------------------------------------------------------------------
     def _wrap_main(self, original: Callable) -> Callable:
