@@ -221,6 +221,15 @@ def quantize_entry(
     return QuantizeResult(cache=out, quantized=quantized, skipped=skipped)
 
 
+def matches_live(layer: Any, bits: int, group_size: int, start: int) -> bool:
+    """A stored quantized layer the host's own quantized live cache (mlx-lm ``--kv-bits``
+    ``--kv-group-size``, from ``--quantized-kv-start`` tokens on) would hold as it is: same
+    bits and group size, past the start. Handed back so, it skips a dequantize-then-
+    requantize round trip (slower, and lossy twice)."""
+    return (type(layer) is QuantizedKVCache and layer.bits == bits
+            and layer.group_size == group_size and layer.offset >= start)
+
+
 def _cache_list(layer: Any, children: list) -> Any:
     """A new ``CacheList`` like ``layer`` holding ``children`` (its scalars kept)."""
     new = copy.copy(layer)

@@ -387,6 +387,10 @@ class MlxLmAdapter(HostAdapter):
                 fail_start(str(err))
             except OSError as err:  # e.g. the cold tier's directory cannot be created
                 fail_start(f"kvplugin: cannot set up the prompt store: {err}")
+            bits = getattr(cli, "kv_bits", None)
+            if bits is not None:  # the host quantizes its live caches: hand matching layers back
+                service.live_quantization = (int(bits), int(getattr(cli, "kv_group_size", 64)),
+                                             int(getattr(cli, "quantized_kv_start", 0) or 0))
             with adapter._state_lock:
                 adapter._pending = service
             try:
