@@ -2,7 +2,8 @@
 
 Per family available on the installed mlx-lm (:mod:`kvplugin.tools.models.families`), the same
 workload on a stock server, on kvplugin (fp16) and on kvplugin with
-``--kv-cache-quantization``: a 3-turn conversation on a ~1k-token system prompt (longer than
+``--kv-cache-quantization``: a 3-turn conversation on a ~1k-token system prompt (:mod:`kvplugin.tools.bench.families`, which
+``kvplugin bench --server --families`` also runs; longer than
 the 128-token sliding windows and chunks, so they wrap), then two concurrent conversations on
 the same system prompt, then a fourth. Checked: answers equal stock's, prompt tokens reused
 >= stock's (the server's own ``usage.prompt_tokens_details.cached_tokens``), entries stored
@@ -17,72 +18,19 @@ other missed, where stock deep-copies (kvplugin now serves it from the lent entr
 
 from __future__ import annotations
 
-import threading
-
 import harness
 import pytest
-from harness import answer_text, cached_tokens
 
-from kvplugin.tools.models.corpus import CORPUS
+from kvplugin.tools.bench.families import answers, conversation, reused, workload
 from kvplugin.tools.models.families import FAMILIES, available, build_family_model
 
 VERSION = harness.host_version("mlx-lm")
 FAMS = [f for f in FAMILIES if available(f, VERSION)]
-SYSTEM = " ".join(CORPUS.split()[:500])
-QUESTIONS = ["Where is the river?", "And the hills?", "Who lives there?"]
 # layers holding K/V somewhere (quantized entries expected); the rest are recurrent-only
 HAS_KV = {"deepseek_v3", "gemma3_text", "gpt_oss", "qwen3_next", "falcon_h1", "llama4"}
 # Mamba ignores left padding when requests are batched, so even stock answers a batched
 # conversation differently than alone: its contamination control cannot hold on any server.
 NO_BATCH_CONTROL = {"mamba"}
-
-
-def conversation(srv, who: int, turns: int, out: dict, barrier=None) -> None:
-    """Conversation ``who``: ``turns`` user turns on the shared system prompt; its answers
-    and cached tokens go to ``out[who]``."""
-    messages = [{"role": "system", "content": SYSTEM}]
-    answers, reused = [], []
-    for t in range(turns):
-        messages.append({"role": "user", "content": f"{QUESTIONS[(who + t) % 3]} (visitor {who})"})
-        if barrier is not None:
-            barrier.wait(timeout=120)  # in lock-step: both want the shared prefix at once
-        r = srv.chat(messages, max_tokens=8)
-        answers.append(answer_text(r))
-        reused.append(cached_tokens(r) or 0)
-        messages.append({"role": "assistant", "content": answers[-1]})
-    out[who] = (answers, reused)
-
-
-def workload(srv) -> dict:
-    """Conversation 0 (3 turns), then 1 and 2 concurrently (2 turns each), then 3 (2 turns)."""
-    out: dict = {}
-    conversation(srv, 0, 3, out)
-    barrier = threading.Barrier(2)
-    errors: list[BaseException] = []
-
-    def run(who: int) -> None:
-        try:
-            conversation(srv, who, 2, out, barrier)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
-    conversation(srv, 3, 2, out)
-    return out
-
-
-def answers(out: dict) -> list[list[str]]:
-    return [out[w][0] for w in sorted(out)]
-
-
-def reused(out: dict) -> int:
-    return sum(sum(out[w][1]) for w in out)
 
 
 def per_turn(out: dict) -> dict:
