@@ -24,7 +24,7 @@ from mlx_lm.models.cache import (
 )
 
 from kvplugin.cache.index import PrefixTrie, choose  # moved from kvplugin.cache.store
-from kvplugin.cache.layers import entry_nbytes
+from kvplugin.cache.layers import entry_arrays, entry_nbytes
 from kvplugin.cache.store import PromptStore, StoreEntry
 from kvplugin.cache.tiers import ssd as ssd_mod  # moved from kvplugin.cache.ssd
 from kvplugin.cache.tiers.ssd import SSDTier
@@ -715,3 +715,46 @@ def test_foreign_files_in_the_root_are_never_touched(tmp_path):
     assert weights.read_bytes() == b"not a kvplugin file" and other.exists()
     assert stat.S_IMODE(os.stat(weights.parent).st_mode) == 0o755
     assert len(SSDTier(root, max_bytes=1 << 30)) == 1
+
+
+def test_lent_windows_state_and_nested_layers_copy_what_they_held_when_lent():
+    """Gemma-like (a wrapped window + full attention) and Falcon-H1-like (CacheList of state
+    + attention) entries: the owner keeps writing after the move; a concurrent request's copy
+    holds exactly the lent tokens, never the owner's later ones."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    from kvplugin.cache.layers import entry_tokens
+
+    def step(cache, v):
+        one = mx.full((1, 2, 1, 8), float(v))
+        for layer in cache:
+            if isinstance(layer, CacheList):
+                layer.caches[0][0] = mx.full((1, 2), float(v))
+                layer.caches[1].update_and_fetch(one, one)
+            else:
+                layer.update_and_fetch(one, one)
+
+    def build(kind):
+        if kind == "window":
+            return [RotatingKVCache(max_size=4), KVCache()]
+        return [CacheList(ArraysCache(1), KVCache())]
+
+    for kind in ("window", "nested"):
+        s = PromptStore(max_bytes=1 << 30)
+        cache = build(kind)
+        for v in range(10):  # the window wraps
+            step(cache, v)
+        mx.eval(entry_arrays(cache))
+        tokens = list(range(10))
+        s.insert("m", tokens, cache)
+        owner, n = s.fetch("m", tokens + [1])
+        assert n == 10
+        for v in range(100, 103):  # the owner goes on, in place
+            step(owner, v)
+        got, n = s.fetch("m", tokens + [2])
+        assert n == 10 and entry_tokens(got) == 10, kind
+        arrays = [a for a in entry_arrays(got) if a.ndim == 4]
+        assert arrays and all(mx.max(a).item() < 100 for a in arrays), kind
+        if kind == "nested":
+            assert got[0].caches[0][0].max().item() == 9.0
+        assert s.stats().lent_copies == 1

@@ -467,29 +467,46 @@ def snapshot(cache: list) -> list:
 _APPEND_ONLY = (KVCache, QuantizedKVCache)
 
 
+def _lend(layer: Any) -> Any:
+    if type(layer) in _APPEND_ONLY:
+        return layer
+    if layout_of(layer) == "CacheList":  # Falcon-H1: keep its attention child live too
+        new = copy.copy(layer)
+        new.caches = type(layer.caches)(_lend(c) for c in layer.caches)
+        return new
+    return _snapshot_layer(layer)
+
+
 def lend_view(cache: list) -> list:
     """What a store keeps of an entry it moves out to a request, to copy from if a concurrent
     request wants the same prefix: append-only layers themselves (their prefix never changes,
     and holding them costs nothing), every other layer (windows that wrap in place,
-    recurrent state, nested lists) as a :func:`snapshot`."""
-    return [layer if type(layer) in _APPEND_ONLY else _snapshot_layer(layer) for layer in cache]
+    recurrent state) as a :func:`snapshot`; ``CacheList`` children alike."""
+    return [_lend(layer) for layer in cache]
+
+
+def _from_lent(layer: Any, n: int, whole: bool) -> Any:
+    if type(layer) in _APPEND_ONLY:  # live: it may have grown since, cut it at n
+        return _copy_layer(layer, n, share=True)
+    if layout_of(layer) == "CacheList":
+        kids = [_from_lent(c, n, whole) for c in layer.caches]
+        if any(k is None for k in kids):
+            return None
+        new = copy.copy(layer)
+        new.caches = type(layer.caches)(kids)
+        return new
+    if whole:
+        return _snapshot_layer(layer)
+    return _copy_layer(layer, n, share=True)
 
 
 def copy_lent(lent: list, n: int, *, whole: bool) -> list | None:
     """A new entry from a :func:`lend_view`: its first ``n`` positions (views), or, ``whole``,
     everything it held when lent (``n`` is then its length: state and wrapped windows that
     cannot be cut are copied as they are). None if a layer cannot give that."""
-    out = []
-    for layer in lent:
-        if whole and type(layer) not in _APPEND_ONLY:
-            out.append(_snapshot_layer(layer))
-            continue
-        try:
-            new = _copy_layer(layer, n, share=True)
-        except Exception:
-            log.debug("copy_lent failed", exc_info=True)
-            return None
-        if new is None:
-            return None
-        out.append(new)
-    return out
+    try:
+        out = [_from_lent(layer, n, whole) for layer in lent]
+    except Exception:
+        log.debug("copy_lent failed", exc_info=True)
+        return None
+    return None if any(c is None for c in out) else out
