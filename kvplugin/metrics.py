@@ -30,6 +30,8 @@ COUNTERS = (
     ("superseded", "Entries replaced by a longer one of the same conversation.",
      "store_superseded"),
     ("tokens_reused", "Prompt tokens served from the cache.", "store_tokens_reused"),
+    ("lent_copies", "Hits served from a copy of an entry lent to a request in flight "
+     "(contention; stock deep-copies).", "store_lent_copies"),
     ("cold_corrupt", "Cold-tier files whose data failed its digest or header check (removed, "
      "never served; no sample: no cold tier).", "cold_corrupt"),
 )
