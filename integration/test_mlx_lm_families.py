@@ -104,3 +104,39 @@ def test_bounded_chunked_conversation_says_why_its_next_turn_misses(start_server
         assert sum(out[0][1]) == stats["store_tokens_reused"], (out, stats)
     finally:
         srv.stop()
+
+
+def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
+        start_server, tmp_path):
+    """Gemma 3's sliding-window layers are stored quantized (QuantizedRotatingKVCache); the SSD
+    tier used to refuse them. Now an evicted system-prompt entry spills, and a new server on
+    the same directory serves the next conversation's system prompt from the file."""
+    from kvplugin.tools.bench.families import SYSTEM
+
+    model = build_family_model("gemma3_text", tmp_path / "model")
+    ssd = tmp_path / "ssd"
+    flags = ("--kv-cache-quantization", "--kv-cache-min-quantize-tokens", "0",
+             "--ssd-cache-dir", str(ssd), "--prompt-cache-bytes", "200000")
+
+    def ask(srv, question):
+        return srv.chat([{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": question}], max_tokens=8)
+
+    first = start_server(harness.mlx_lm_server_cmd, *flags, model_dir=model)
+    try:
+        ask(first, "Where is the river?")  # stores the system prompt, then the whole turn
+        stats = first.get("/kvplugin/stats")
+        assert stats["store_spills"] >= 1 and stats["entries_quantized"] >= 2, stats
+        assert stats["cold_tier"]["refused"] == 0, stats["cold_tier"]
+        kinds = {k for e in stats["entries"] for k in e["layers"]}
+        assert "QuantizedRotatingKVCache" in kinds, kinds
+    finally:
+        first.stop()
+    second = start_server(harness.mlx_lm_server_cmd, *flags, model_dir=model)
+    try:
+        r = ask(second, "And the hills?")
+        stats = second.get("/kvplugin/stats")
+        assert stats["store_cold_hits"] == 1 and stats["cold_corrupt"] == 0, stats
+        assert (r["usage"]["prompt_tokens_details"]["cached_tokens"] or 0) >= 700, r["usage"]
+    finally:
+        second.stop()
