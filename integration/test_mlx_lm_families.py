@@ -1,36 +1,41 @@
-"""Other model families behind a real mlx_lm.server: stock vs kvplugin on the same chat.
+"""Every model family behind a real mlx_lm.server: stock vs kvplugin on the same workload.
 
-State-space (Mamba: ``ArraysCache`` only) entries used to be never stored; MLA (DeepSeek-V3)
-with ``--kv-cache-quantization`` used to stop the server (the group size was checked against
-hidden/heads = 56 instead of the cache's real widths). Per family: answers equal stock's,
-prompt tokens reused >= stock's, entries stored (and quantized where the layers allow).
+Per family available on the installed mlx-lm (:mod:`kvplugin.tools.models.families`), the same
+workload on a stock server, on kvplugin (fp16) and on kvplugin with
+``--kv-cache-quantization``: a 3-turn conversation on a ~1k-token system prompt (:mod:`kvplugin.tools.bench.families`, which
+``kvplugin bench --server --families`` also runs; longer than
+the 128-token sliding windows and chunks, so they wrap), then two concurrent conversations on
+the same system prompt, then a fourth. Checked: answers equal stock's, prompt tokens reused
+>= stock's (the server's own ``usage.prompt_tokens_details.cached_tokens``), entries stored
+(and quantized where the layers hold K/V), and no contamination (a concurrent conversation
+answers as it does alone on stock).
+
+Why: state-space (Mamba) and nested (Falcon-H1) entries used to be never stored; MLA
+(DeepSeek-V3) with quantization used to stop the server; on sliding-window and recurrent
+families the shared system-prompt entry was moved into one concurrent conversation and the
+other missed, where stock deep-copies (kvplugin now serves it from the lent entry's snapshot).
 """
 
 from __future__ import annotations
 
 import harness
 import pytest
-from harness import answer_text, cached_tokens
 
-from kvplugin.tools.models.corpus import CORPUS
+from kvplugin.tools.bench.families import answers, conversation, reused, workload
 from kvplugin.tools.models.families import FAMILIES, available, build_family_model
 
 VERSION = harness.host_version("mlx-lm")
 FAMS = [f for f in FAMILIES if available(f, VERSION)]
-SYSTEM = " ".join(CORPUS.split()[:400])
-QUESTIONS = ["Where is the river?", "And the hills?", "Who lives there?"]
+# layers holding K/V somewhere (quantized entries expected); the rest are recurrent-only
+HAS_KV = {"deepseek_v3", "gemma3_text", "gpt_oss", "qwen3_next", "falcon_h1", "llama4"}
+# Mamba ignores left padding when requests are batched, so even stock answers a batched
+# conversation differently than alone: its contamination control cannot hold on any server.
+NO_BATCH_CONTROL = {"mamba"}
 
 
-def chat(srv) -> tuple[list[str], list[int]]:
-    messages = [{"role": "system", "content": SYSTEM}]
-    answers, reused = [], []
-    for q in QUESTIONS:
-        messages.append({"role": "user", "content": q})
-        r = srv.chat(messages, max_tokens=8)
-        answers.append(answer_text(r))
-        reused.append(cached_tokens(r) or 0)
-        messages.append({"role": "assistant", "content": answers[-1]})
-    return answers, reused
+def per_turn(out: dict) -> dict:
+    """Cached tokens per conversation and turn (what an assertion message shows)."""
+    return {w: out[w][1] for w in sorted(out)}
 
 
 @pytest.fixture(scope="module", params=FAMS)
@@ -41,21 +46,97 @@ def family(request, tmp_path_factory):
 
 def test_family_is_stored_reused_and_answers_like_stock(family, start_server):
     name, model_dir = family
-    stock = start_server(harness.mlx_lm_server_cmd, env={"KVPLUGIN_DISABLE": "1"},
-                         model_dir=model_dir)
-    ours = start_server(harness.mlx_lm_server_cmd, "--kv-cache-min-quantize-tokens", "0",
-                        model_dir=model_dir)
-    want, stock_reused = chat(stock)
-    got, reused = chat(ours)
-    assert got == want, name
-    assert sum(reused) >= sum(stock_reused) and sum(reused) > 0, (name, reused, stock_reused)
-    stats = ours.get("/kvplugin/stats")
-    assert stats["entries_stored"] >= len(QUESTIONS) and stats["store_hits"] >= 1, stats
-    quantized = start_server(harness.mlx_lm_server_cmd, "--kv-cache-quantization",
-                             "--kv-cache-min-quantize-tokens", "0", model_dir=model_dir)
-    chat(quantized)  # starts and serves: an MLA model is checked against its real widths
-    qstats = quantized.get("/kvplugin/stats")
-    if name == "deepseek_v3":  # K/V layers: stored quantized
-        assert qstats["entries_quantized"] >= 1, qstats
-    else:  # recurrent state stays full precision, and is still stored
-        assert qstats["entries_stored"] >= len(QUESTIONS) and qstats["entries_quantized"] == 0
+    servers = []
+
+    def start(*extra, env=None):
+        servers.append(start_server(harness.mlx_lm_server_cmd, *extra, env=env,
+                                    model_dir=model_dir))
+        return servers[-1]
+
+    try:
+        stock = start(env={"KVPLUGIN_DISABLE": "1"})
+        want = workload(stock)
+        alone: dict = {}  # the concurrent conversations, each alone on stock: the control
+        for who in (1, 2):
+            conversation(stock, who, 2, alone)
+
+        ours = start()  # full precision: answers must equal stock's
+        got = workload(ours)
+        assert answers(got) == answers(want), name
+        assert reused(got) >= reused(want) > 0, (name, per_turn(got), per_turn(want))
+        if name not in NO_BATCH_CONTROL:  # no contamination between concurrent conversations
+            assert [got[w][0] for w in (1, 2)] == [alone[w][0] for w in (1, 2)], name
+        stats = ours.get("/kvplugin/stats")
+        assert stats["entries_stored"] >= 9 and stats["store_hits"] >= 5, stats
+        assert stats["entries_rejected"] == 0, stats
+
+        quantized = start("--kv-cache-quantization", "--kv-cache-min-quantize-tokens", "0")
+        qgot = workload(quantized)  # starts and serves: an MLA model is checked per width
+        qstats = quantized.get("/kvplugin/stats")
+        assert qstats["entries_stored"] >= 8 and reused(qgot) >= reused(want), (qstats, qgot)
+        if name in HAS_KV:  # K/V layers, rotating and chunked included: stored quantized
+            assert qstats["entries_quantized"] >= 1, qstats
+        else:  # recurrent state stays full precision, and is still stored
+            assert qstats["entries_quantized"] == 0, qstats
+    finally:
+        for srv in servers:  # one family's servers at a time
+            srv.stop()
+
+
+@pytest.mark.skipif(not available("llama4", VERSION), reason="llama4 needs mlx-lm >= 0.32.0")
+def test_bounded_chunked_conversation_says_why_its_next_turn_misses(start_server, tmp_path):
+    """Llama 4 (ChunkedKVCache) with --max-kv-size: the full-attention layer is bounded to a
+    wrapping window, which cannot be cut back to where the next prompt diverges (the reply
+    re-tokenized): the start-up line says so, and the entries are stored, bounded."""
+    srv = start_server(harness.mlx_lm_server_cmd, "--max-kv-size", "256",
+                       model_dir=build_family_model("llama4", tmp_path / "model"))
+    try:
+        log = srv.log_text()
+        assert "--max-kv-size 256: once a conversation passes 256 tokens" in log
+        assert "cannot be cut back" in log and "is a miss" in log
+        out: dict = {}
+        conversation(srv, 0, 3, out)
+        stats = srv.get("/kvplugin/stats")
+        assert stats["entries_stored"] >= 3 and stats["entries_rejected"] == 0, stats
+        layers = {name for e in stats["entries"] for name in e["layers"]}
+        assert "PreallocatedRotatingKVCache" in layers and "ChunkedKVCache" in layers, layers
+        # what the line says: the reply came back re-tokenized, so the turns missed
+        assert sum(out[0][1]) == stats["store_tokens_reused"], (out, stats)
+    finally:
+        srv.stop()
+
+
+def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
+        start_server, tmp_path):
+    """Gemma 3's sliding-window layers are stored quantized (QuantizedRotatingKVCache); the SSD
+    tier used to refuse them. Now an evicted system-prompt entry spills, and a new server on
+    the same directory serves the next conversation's system prompt from the file."""
+    from kvplugin.tools.bench.families import SYSTEM
+
+    model = build_family_model("gemma3_text", tmp_path / "model")
+    ssd = tmp_path / "ssd"
+    flags = ("--kv-cache-quantization", "--kv-cache-min-quantize-tokens", "0",
+             "--ssd-cache-dir", str(ssd), "--prompt-cache-bytes", "200000")
+
+    def ask(srv, question):
+        return srv.chat([{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": question}], max_tokens=8)
+
+    first = start_server(harness.mlx_lm_server_cmd, *flags, model_dir=model)
+    try:
+        ask(first, "Where is the river?")  # stores the system prompt, then the whole turn
+        stats = first.get("/kvplugin/stats")
+        assert stats["store_spills"] >= 1 and stats["entries_quantized"] >= 2, stats
+        assert stats["cold_tier"]["refused"] == 0, stats["cold_tier"]
+        kinds = {k for e in stats["entries"] for k in e["layers"]}
+        assert "QuantizedRotatingKVCache" in kinds, kinds
+    finally:
+        first.stop()
+    second = start_server(harness.mlx_lm_server_cmd, *flags, model_dir=model)
+    try:
+        r = ask(second, "And the hills?")
+        stats = second.get("/kvplugin/stats")
+        assert stats["store_cold_hits"] == 1 and stats["cold_corrupt"] == 0, stats
+        assert (r["usage"]["prompt_tokens_details"]["cached_tokens"] or 0) >= 700, r["usage"]
+    finally:
+        second.stop()

@@ -120,5 +120,30 @@ def test_mlx_lm_kv_bits_entries_are_left_alone(kv_bits):
     assert stats["quantization"] is None
     entries = stats["entries"]
     assert entries and all(e["bits"] == [8, 8] for e in entries), entries  # ... mlx-lm did
+    # and gets them back as they are (same bits and group size as the host's live cache):
+    # both layers of the hit, no dequantize-then-requantize round trip
+    assert stats["layers_handed_back_quantized"] >= 2, stats
     for e in entries:  # stored trimmed: no spare capacity beyond the tokens
         assert e["nbytes"] <= RATIO[8] * e["tokens"] * TOKEN_BYTES, e
+
+
+def test_kv_bits_handback_answers_like_stock_kv_bits(kv_bits, start_server):
+    """The quantized entry handed back as it is answers a continuing conversation exactly
+    as stock mlx-lm with the same --kv-bits does (stock deep-copies its quantized entry)."""
+    stock = start_server(harness.mlx_lm_server_cmd, "--kv-bits", "8", "--quantized-kv-start",
+                         "0", env={"KVPLUGIN_DISABLE": "1"})
+    before = kv_bits.get("/kvplugin/stats")["layers_handed_back_quantized"]
+    runs = []
+    for srv in (stock, kv_bits):
+        messages = [{"role": "system", "content": LONG}]
+        answers = []
+        for q in ("Where is the river?", "And the hills?", "Who lives there?"):
+            messages.append({"role": "user", "content": q})
+            r = srv.chat(messages, max_tokens=6)
+            answers.append((answer_text(r), cached_tokens(r)))
+            messages.append({"role": "assistant", "content": answer_text(r)})
+        runs.append(answers)
+    assert [a for a, _ in runs[1]] == [a for a, _ in runs[0]]
+    assert sum(c or 0 for _, c in runs[1]) >= sum(c or 0 for _, c in runs[0]) > 0
+    after = kv_bits.get("/kvplugin/stats")["layers_handed_back_quantized"]
+    assert after >= before + 4, (before, after)  # turns 2 and 3: both layers each

@@ -44,15 +44,20 @@ BENCH_MODES = {
     "quality": ("kvplugin.tools.bench.quality", "answer quality with quantized KV entries"),
     "memory": ("kvplugin.tools.bench.memory",
                "with --server: the whole process's memory across cache reuse (VmHWM, MLX)"),
+    "families": ("kvplugin.tools.bench.families",
+                 "with --server: per model family, stock vs kvplugin reuse, bytes, warm TTFT"),
 }
 
 
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import importlib
 
-    if args.memory and args.quality:
-        parser.error("--memory goes with --server, not --quality")
-    mode = ("memory" if args.memory else "server" if args.server
+    if (args.memory or args.families) and args.quality:
+        parser.error("--memory and --families go with --server, not --quality")
+    if args.memory and args.families:
+        parser.error("--memory and --families are two benchmarks: choose one")
+    mode = ("memory" if args.memory else "families" if args.families
+            else "server" if args.server
             else "quality" if args.quality else "engine")
     module_name, _ = BENCH_MODES[mode]
     rest = list(args.bench_args)
@@ -104,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--server", action="store_true", help=BENCH_MODES["server"][1])
     mode.add_argument("--quality", action="store_true", help=BENCH_MODES["quality"][1])
     bench.add_argument("--memory", action="store_true", help=BENCH_MODES["memory"][1])
+    bench.add_argument("--families", action="store_true", help=BENCH_MODES["families"][1])
     bench.add_argument("-h", "--help", action="store_true",
                        help="show the chosen benchmark's options and exit")
     bench.set_defaults(func=cmd_bench, subparser=bench, bench_args=[])

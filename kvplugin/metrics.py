@@ -42,6 +42,8 @@ COUNTERS = (
     ("refused_busy", "Requests refused with 503: requests in flight held the memory.",
      "refused_busy"),
     ("pressure_evictions", "Stored entries evicted to admit a request.", "pressure_evictions"),
+    ("lent_copies", "Hits served from a copy of an entry lent to a request in flight "
+     "(contention; stock deep-copies).", "store_lent_copies"),
     ("cold_corrupt", "Cold-tier files whose data failed its digest or header check (removed, "
      "never served; no sample: no cold tier).", "cold_corrupt"),
     ("cold_unreadable", "Cold-tier files that could not be read (I/O error; no sample: no "

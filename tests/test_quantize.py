@@ -201,3 +201,24 @@ def test_mla_models_are_checked_against_their_real_cache_widths():
     assert validate_group_size_for_model(mla, 128) == ["values (rope key) 64"]  # partial
     with pytest.raises(ValueError, match="cache widths 48/96"):
         validate_group_size_for_model(ns(args=ns(kv_lora_rank=96, qk_rope_head_dim=48)), 64)
+
+
+def test_a_nested_cache_list_has_its_kv_child_quantized_and_restored():
+    """Falcon-H1 layers are CacheList(state, attention): the attention child is K/V like any
+    other and is stored quantized; the recurrent state stays full precision."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    from kvplugin.cache.quantize import dequantize_entry, quantize_entry
+
+    nested = CacheList(ArraysCache(2), KVCache())
+    nested.caches[0][0] = mx.ones((1, 2))
+    keys = mx.random.normal((1, 1, 5, 64), key=mx.random.key(3))
+    nested.caches[1].update_and_fetch(keys, keys * 2)
+    got = quantize_entry([nested], bits=8, group_size=64)
+    assert (got.quantized, got.skipped) == (1, 1)
+    assert [type(c) for c in got.cache[0].caches] == [ArraysCache, QuantizedKVCache]
+    assert type(nested.caches[1]) is KVCache  # the input is not changed
+    back = dequantize_entry(got.cache)[0]
+    assert [type(c) for c in back.caches] == [ArraysCache, KVCache]
+    assert back.caches[1].offset == 5 and back.caches[0][0] is nested.caches[0][0]
+    assert mx.abs(back.caches[1].keys - keys).max().item() < 0.05

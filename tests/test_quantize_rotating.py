@@ -57,3 +57,32 @@ def test_bounded_entries_are_stored_quantized_through_the_session():
     assert svc.stats()["entries_quantized"] == 1
     got, n = svc.fetch("m", tokens + [1])
     assert n == 150 and type(got[0]) is PreallocatedRotatingKVCache
+
+
+@pytest.mark.parametrize("cls", [RotatingKVCache, PreallocatedRotatingKVCache])
+def test_the_ssd_tier_writes_and_reads_back_a_quantized_rotating_entry_exactly(cls, tmp_path):
+    """Used to be refused by the tier (counted): a sliding-window entry stored quantized
+    spills to SSD and comes back bit for bit, then restores to the same rotating layer."""
+    from mlx_lm.models.cache import KVCache
+
+    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache
+    from kvplugin.cache.tiers.ssd import SSDTier
+
+    full = KVCache()
+    k = mx.random.normal((1, 2, 100, 64), key=mx.random.key(1)).astype(mx.float16)
+    full.update_and_fetch(k, k * 2)
+    entry = quantize_entry([rotating(cls, 100), full], bits=4, group_size=64).cache
+    assert type(entry[0]) is QuantizedRotatingKVCache and entry[0]._idx != entry[0].offset
+    tier = SSDTier(tmp_path / "cold", max_bytes=1 << 30)
+    tokens = list(range(100))
+    assert tier.put("m", tokens, entry) is True and tier.stats()["refused"] == 0
+    got, n = tier.fetch("m", tokens + [7])
+    assert n == 100 and type(got[0]) is QuantizedRotatingKVCache
+    for f in ("offset", "max_size", "keep", "_idx", "bits", "group_size", "dtype_name", "cls",
+              "step"):
+        assert getattr(got[0], f) == getattr(entry[0], f), f
+    for a, b in zip(got[0].keys + got[0].values, entry[0].keys + entry[0].values):
+        assert a.dtype == b.dtype and mx.array_equal(a, b)
+    back, want = dequantize_entry(got)[0], dequantize_entry(entry)[0]
+    assert type(back) is cls and (back._idx, back.offset) == (want._idx, want.offset)
+    assert mx.array_equal(back.keys, want.keys) and mx.array_equal(back.values, want.values)

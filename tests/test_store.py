@@ -24,7 +24,7 @@ from mlx_lm.models.cache import (
 )
 
 from kvplugin.cache.index import PrefixTrie, choose  # moved from kvplugin.cache.store
-from kvplugin.cache.layers import entry_nbytes
+from kvplugin.cache.layers import entry_arrays, entry_nbytes
 from kvplugin.cache.store import PromptStore, StoreEntry
 from kvplugin.cache.tiers import ssd as ssd_mod  # moved from kvplugin.cache.ssd
 from kvplugin.cache.tiers.ssd import SSDTier
@@ -147,11 +147,13 @@ def test_longest_prefix_and_copy_of_common_prefix():
     assert len(s) == 2
     got, n = s.fetch("m", a + [7, 7])
     assert n == 8 and prefix_ok(got, a)
+    s.drop_all()  # (also forgets what was lent: no lent copy below)
+    s.insert("m", b, kv(b))
     got, n = s.fetch("m", a + [7, 7])
     assert n == 5 and prefix_ok(got, b)
-    assert s.fetch("m", a + [7, 7]) == (None, 0)
     # diverging entry: caller gets a copy of the common prefix, entry stays
     c = seq(100, 3) + [9, 9, 9]
+    s.drop_all()  # (b is lent: it would serve 5 tokens below)
     s.insert("m", c, kv(c))
     got, n = s.fetch("m", seq(100, 6))
     assert n == 3 and prefix_ok(got, seq(100, 3))
@@ -159,7 +161,50 @@ def test_longest_prefix_and_copy_of_common_prefix():
     # other model key: nothing
     assert s.fetch("other", c + [1]) == (None, 0)
     st = s.stats()
-    assert (st.hits, st.misses, st.moved, st.copied) == (3, 2, 2, 1)
+    assert (st.hits, st.misses, st.moved, st.copied, st.lent_copies) == (3, 1, 2, 1, 0)
+
+
+def test_a_prefix_lent_to_a_request_in_flight_is_served_to_another_as_a_copy():
+    """Stock deep-copies for both concurrent requests; a move must not leave the second with
+    less. The owner's later in-place writes never reach the copy."""
+    s = PromptStore(max_bytes=1 << 30)
+    a = seq(100, 8)
+    s.insert("m", a, kv(a))
+    owner, n = s.fetch("m", a + [7, 7])
+    assert n == 8 and len(s) == 0
+    got, n = s.fetch("m", a + [5, 5])  # wants the whole lent key: a copy of it
+    assert n == 8 and prefix_ok(got, a) and got[0] is not owner[0]
+    got2, n2 = s.fetch("m", a[:6] + [5])  # a shorter prefix of it: cut from the snapshot
+    assert n2 == 6 and prefix_ok(got2, a[:6])
+    owner[0].keys[..., :8, :] = 0  # the owner writes in place
+    assert prefix_ok(got, a) and prefix_ok(got2, a[:6])
+    st = s.stats()
+    assert (st.hits, st.moved, st.lent_copies, st.tokens_reused) == (3, 1, 2, 22)
+    # the owner gives back a longer entry that serves the prefix: the snapshot is dropped
+    longer = a + [7, 7]
+    s.insert("m", longer, kv(longer))
+    assert not s._lent and len(s) == 1
+
+
+def test_a_lent_recurrent_prefix_is_stored_again_when_its_continuation_cannot_serve_it():
+    """A system-prompt checkpoint of recurrent state: its continuation cannot be cut back to
+    it, so it is kept (stock keeps it too) and the next conversation still reuses it."""
+    from mlx_lm.models.cache import ArraysCache
+
+    def state(tokens):
+        c = ArraysCache(size=1)
+        c[0] = mx.array([[float(len(tokens))]])
+        return [c]
+
+    s = PromptStore(max_bytes=1 << 30)
+    system = seq(100, 8)
+    s.insert("m", system, state(system))
+    owner, n = s.fetch("m", system + [1, 1])
+    assert n == 8
+    s.insert("m", system + [1, 1, 2], state(system + [1, 1, 2]))  # the owner gives back
+    assert s.stats().lent_kept == 1 and len(s) == 2
+    got, n = s.fetch("m", system + [3, 3])  # a later conversation
+    assert n == 8 and got[0][0].item() == 8.0
 
 
 def test_exact_match_trims_one_token_or_falls_back():
@@ -168,6 +213,7 @@ def test_exact_match_trims_one_token_or_falls_back():
     s.insert("m", t, kv(t))
     got, n = s.fetch("m", t)
     assert n == 9 and all(c.offset == 9 for c in got) and len(s) == 0
+    s.drop_all()  # forget the lent snapshot (it would serve 9 tokens below)
     # a non-trimmable exact entry (wrapped rotating cache) stays; a shorter prefix is used
     rot = kv(t, cls=RotatingKVCache, max_size=4)
     assert not rot[0].is_trimmable()
@@ -175,7 +221,8 @@ def test_exact_match_trims_one_token_or_falls_back():
     s.insert("m", t[:6], kv(t[:6]))
     got, n = s.fetch("m", t)
     assert n == 6 and prefix_ok(got, t[:6])
-    assert s.fetch("m", t) == (None, 0) and len(s) == 1
+    again, n = s.fetch("m", t)  # while that one is out: a copy of it, the rotating one stays
+    assert n == 6 and prefix_ok(again, t[:6]) and len(s) == 1
     assert s.fetch("m", t[:1]) == (None, 0)  # nothing would be left to process
 
 
@@ -206,7 +253,9 @@ def test_move_semantics():
     got, n = s.fetch("m", t + [1, 2])
     assert got is cache and got[0].keys is k0 and got[1].values is v1 and n == 20
     assert len(s) == 0 and s.nbytes == 0
-    assert s.fetch("m", t + [1, 2]) == (None, 0)  # a concurrent second fetch misses
+    other, n = s.fetch("m", t + [3])  # a concurrent second fetch: a copy of the lent prefix
+    assert n == 20 and other[0] is not cache[0] and prefix_ok(other, t)
+    assert s.stats().lent_copies == 1
     extend(got, [1, 2], 20)
     s.insert("m", t + [1, 2], got)  # given back after generation
     got2, n2 = s.fetch("m", t + [1, 2, 3])
@@ -684,3 +733,44 @@ def test_after_evictions_runs_once_per_batch_of_evictions():
     assert calls == [1] and store.stats().evictions == 2
     store.fetch("m", [9])
     assert calls == [1]
+def test_lent_windows_state_and_nested_layers_copy_what_they_held_when_lent():
+    """Gemma-like (a wrapped window + full attention) and Falcon-H1-like (CacheList of state
+    + attention) entries: the owner keeps writing after the move; a concurrent request's copy
+    holds exactly the lent tokens, never the owner's later ones."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    from kvplugin.cache.layers import entry_tokens
+
+    def step(cache, v):
+        one = mx.full((1, 2, 1, 8), float(v))
+        for layer in cache:
+            if isinstance(layer, CacheList):
+                layer.caches[0][0] = mx.full((1, 2), float(v))
+                layer.caches[1].update_and_fetch(one, one)
+            else:
+                layer.update_and_fetch(one, one)
+
+    def build(kind):
+        if kind == "window":
+            return [RotatingKVCache(max_size=4), KVCache()]
+        return [CacheList(ArraysCache(1), KVCache())]
+
+    for kind in ("window", "nested"):
+        s = PromptStore(max_bytes=1 << 30)
+        cache = build(kind)
+        for v in range(10):  # the window wraps
+            step(cache, v)
+        mx.eval(entry_arrays(cache))
+        tokens = list(range(10))
+        s.insert("m", tokens, cache)
+        owner, n = s.fetch("m", tokens + [1])
+        assert n == 10
+        for v in range(100, 103):  # the owner goes on, in place
+            step(owner, v)
+        got, n = s.fetch("m", tokens + [2])
+        assert n == 10 and entry_tokens(got) == 10, kind
+        arrays = [a for a in entry_arrays(got) if a.ndim == 4]
+        assert arrays and all(mx.max(a).item() < 100 for a in arrays), kind
+        if kind == "nested":
+            assert got[0].caches[0][0].max().item() == 9.0
+        assert s.stats().lent_copies == 1

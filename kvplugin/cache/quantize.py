@@ -19,12 +19,13 @@ Imports only ``mlx.core`` and ``mlx_lm.models.cache``; works on mlx-lm 0.31.3 an
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from kvplugin.cache.layers import is_quantizable
 
@@ -200,6 +201,13 @@ def quantize_entry(
     from kvplugin.cache.quantize_rotating import is_rotating_quantizable, quantize_rotating
 
     for i, layer in enumerate(cache):
+        if type(layer) is CacheList:  # nested (Falcon-H1: state + attention): its K/V children
+            inner = quantize_entry(list(layer.caches), bits=bits, group_size=group_size)
+            skipped += inner.skipped
+            if inner.quantized:
+                out[i] = _cache_list(layer, inner.cache)
+                quantized += 1
+            continue
         if is_quantizable(layer, group_size):
             q = _quantize_layer(layer, bits, group_size)
         elif is_rotating_quantizable(layer, group_size):
@@ -211,6 +219,22 @@ def quantize_entry(
         out[i] = q
         quantized += 1
     return QuantizeResult(cache=out, quantized=quantized, skipped=skipped)
+
+
+def matches_live(layer: Any, bits: int, group_size: int, start: int) -> bool:
+    """A stored quantized layer the host's own quantized live cache (mlx-lm ``--kv-bits``
+    ``--kv-group-size``, from ``--quantized-kv-start`` tokens on) would hold as it is: same
+    bits and group size, past the start. Handed back so, it skips a dequantize-then-
+    requantize round trip (slower, and lossy twice)."""
+    return (type(layer) is QuantizedKVCache and layer.bits == bits
+            and layer.group_size == group_size and layer.offset >= start)
+
+
+def _cache_list(layer: Any, children: list) -> Any:
+    """A new ``CacheList`` like ``layer`` holding ``children`` (its scalars kept)."""
+    new = copy.copy(layer)
+    new.caches = type(layer.caches)(children) if isinstance(layer.caches, tuple) else children
+    return new
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -245,6 +269,11 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
 
     out = cache if consume else list(cache)
     for i, layer in enumerate(cache):
+        if type(layer) is CacheList:
+            children = dequantize_entry(list(layer.caches))
+            if any(a is not b for a, b in zip(children, layer.caches)):
+                out[i] = _cache_list(layer, children)
+            continue
         if type(layer) is QuantizedRotatingKVCache:
             out[i] = dequantize_rotating(layer)
             continue

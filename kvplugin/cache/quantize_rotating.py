@@ -10,7 +10,7 @@ the very same class, slots, ``_idx``, ``offset``, ``keep`` and ``max_size`` on r
 
 from __future__ import annotations
 
-import importlib
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -77,8 +77,10 @@ def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int) -> Qua
 
 
 def _resolve(spec: str) -> type:
-    module, _, name = spec.partition(":")
-    cls = getattr(importlib.import_module(module), name, None)
+    """The recorded rotating class if its module is already imported (the spec may come from
+    a cold-tier file: nothing is imported from data), else ``RotatingKVCache``."""
+    module, _, name = str(spec).partition(":")
+    cls = getattr(sys.modules.get(module), name, None)
     return cls if isinstance(cls, type) and issubclass(cls, RotatingKVCache) else RotatingKVCache
 
 

@@ -10,7 +10,8 @@ Format: ``serialize_cache(cache) -> (arrays, layers)``; ``arrays`` maps names
 one JSON-able descriptor per layer: ``kind`` (mlx-lm base class used for the layout),
 ``cls`` (``module:qualname`` of the real class), ``attrs`` (scalars), ``arrays``. Only the
 used positions are kept (a rotating cache that has wrapped is kept whole with its ``_idx``);
-quantized layers stay quantized. On load the real class is used if its module is already
+quantized layers stay quantized, kvplugin's own ``QuantizedRotatingKVCache`` (a rotating layer
+stored quantized) included: its packed slots whole, its scalars as they are. On load the real class is used if its module is already
 imported (nothing is imported from data) and it subclasses the recorded kind.
 """
 
@@ -79,7 +80,39 @@ def _put_arrays(arrays: dict, name: str, value, n: int | None):
     return name
 
 
+_QROT = "QuantizedRotatingKVCache"
+
+
+def _ser_qrot(layer, prefix: str, arrays: dict) -> dict:
+    attrs = {k: v for k, v in vars(layer).items() if k not in ("keys", "values")}
+    if not all(isinstance(v, _SCALAR_TYPES) for v in attrs.values()):
+        raise Unsupported(f"{_QROT} has non-scalar attributes")
+    return {"kind": _QROT, "cls": _cls_spec(layer), "attrs": attrs,
+            "arrays": {f: _put_arrays(arrays, f"{prefix}{f}", getattr(layer, f), None)
+                       for f in ("keys", "values")}}
+
+
+def _de_qrot(desc: dict, arrays: dict):
+    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache
+
+    obj = QuantizedRotatingKVCache()
+    for k, v in desc["attrs"].items():
+        if k not in vars(obj) or not isinstance(v, _SCALAR_TYPES):
+            raise Corrupt(f"{_QROT}: unexpected attribute {k!r}")
+        setattr(obj, k, v)
+    obj.keys = _get_arrays(arrays, desc["arrays"]["keys"])
+    obj.values = _get_arrays(arrays, desc["arrays"]["values"])
+    parts = (obj.keys or ()) + (obj.values or ())
+    ints = (obj.offset, obj.max_size, obj.keep, obj._idx, obj.bits, obj.group_size)
+    if (len(parts) != 6 or not all(isinstance(x, int) and x >= 0 for x in ints)
+            or len({p.shape[-2] for p in parts}) != 1 or obj._idx > parts[0].shape[-2]):
+        raise Corrupt(f"{_QROT}: inconsistent arrays or scalars")
+    return obj
+
+
 def _ser_layer(layer, prefix: str, arrays: dict) -> dict:
+    if type(layer).__name__ == _QROT and type(layer).__module__ == "kvplugin.cache.quantize_rotating":
+        return _ser_qrot(layer, prefix, arrays)
     kind = layout_of(layer)
     if kind is None:
         raise Unsupported(type(layer).__name__)
@@ -135,6 +168,8 @@ def _get_arrays(arrays: dict, d):
 
 def _de_layer(desc: dict, arrays: dict):
     kind = desc["kind"]
+    if kind == _QROT:
+        return _de_qrot(desc, arrays)
     cls = _resolve(desc["cls"], kind)
     obj = cls.__new__(cls)
     for k, v in desc["attrs"].items():

@@ -61,6 +61,7 @@ class Counters:
     entries_invalid: int = 0  # fetched entries that did not fit the model (never served)
     memory_releases: int = 0  # MLX buffer-cache releases after evictions
     bytes_released: int = 0  # bytes those releases handed back to the system
+    layers_handed_back_quantized: int = 0  # quantized as the host's --kv-bits live cache is
 
     @property
     def bytes_saved(self) -> int:
@@ -372,10 +373,29 @@ class KVService:
         say(f"a stored entry does not fit the model and was not used: {problem} (said once "
             f"per model; every one is counted in entries_invalid)", key=f"invalid:{id(held)}")
         return False
+    #: ``(bits, group_size, start)`` of the host's quantized live caches (mlx-lm
+    #: ``--kv-bits``), set by the host adapter; None: the host runs full-precision caches.
+    live_quantization: tuple[int, int, int] | None = None
 
     def restore_precision(self, cache: list) -> list:
-        restored = self.hook.kvplugin_dequantize_entry(cache=cache, settings=self.settings)
-        return cache if restored is None else restored
+        """The entry as the host runs it: dequantized, except layers already quantized the
+        way the host's own live cache is (``live_quantization``), which are handed back as
+        they are."""
+        live = self.live_quantization
+        keep: dict[int, Any] = {}
+        if live is not None:
+            from kvplugin.cache.quantize import matches_live
+
+            keep = {i: layer for i, layer in enumerate(cache) if matches_live(layer, *live)}
+        rest = [layer for i, layer in enumerate(cache) if i not in keep] if keep else cache
+        restored = self.hook.kvplugin_dequantize_entry(cache=rest, settings=self.settings)
+        restored = rest if restored is None else restored
+        if not keep:
+            return restored
+        with self._lock:
+            self.counters.layers_handed_back_quantized += len(keep)
+        it = iter(restored)
+        return [keep[i] if i in keep else next(it) for i in range(len(cache))]
 
     # -- persistence and shut-down ------------------------------------------------------------
     def may_persist(self) -> bool:

@@ -76,7 +76,12 @@ which ``stream_generate`` rejects; we trim one token instead.)
    entry).  Only for copyable entries, otherwise this candidate is ignored.  Among
    several entries below the divergence point the first one found on a descent of
    the trie is used.  Ties between a move and a copy go to the move.
-3. Otherwise a miss ``(None, 0)``.
+3. *Lent copy.*  If an entry moved out to a request still in flight ("lent") holds more of
+   the request than 1. and 2., the caller gets a copy of it (``lent_copies``), as stock's
+   deep copy would give it: the first ``n`` positions when the lent entry can be cut there,
+   or all of it when the request continues its whole key (recurrent state and wrapped
+   windows cannot be cut). See *Contention* below.
+4. Otherwise a miss ``(None, 0)``.
 
 The caller gives the (updated) cache back with ``insert`` after generation.  Because
 a fetch moves the entry out, a second concurrent fetch of the same prefix while the
@@ -84,6 +89,21 @@ first caller holds it gets a miss, or whatever shorter/other entry is still stor
 (possibly a copy from another conversation's entry).  A returned buffer is never
 referenced by a stored entry or by another caller, so the first in-place decode
 write does not double memory (unlike ``copy.deepcopy``).
+
+Contention
+----------
+A move records what it hands out (:func:`kvplugin.cache.layers.lend_view`): append-only
+layers (``KVCache``) themselves, whose prefix never changes and which cost nothing to keep;
+other layers as a snapshot (new array objects on the same buffers, no bytes copied; the
+owner's first in-place write into a shared buffer copies it, as stock's deep copy would
+have up front: a window or a recurrent state, small). The snapshot is
+copied from only when a concurrent request wants that prefix (fetch rule 3). When a later
+insert continues the snapshot's key (its owner, or a conversation it served, giving back),
+the snapshot is dropped if the new entry can serve its prefix by a copy or it was a
+finished turn (``prompt_len`` known: superseded, as above); otherwise (a shared prefix such
+as a system-prompt checkpoint whose continuation is recurrent state or a wrapped window,
+which cannot be cut back) it is stored again under its key (``lent_kept``), as stock keeps
+that entry. At most :data:`MAX_LENT` snapshots are held (the oldest is dropped).
 
 Cold tier
 ---------
@@ -121,10 +141,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvplugin.cache.index import KeyIndex, to_key
-from kvplugin.cache.layers import can_copy_prefix, copy_prefix, entry_nbytes, is_trimmable
+from kvplugin.cache.layers import (can_copy_prefix, copy_lent, copy_prefix, entry_nbytes,
+                                   is_trimmable, lend_view)
 from kvplugin.types import ColdTier, StoreEntry
 
-__all__ = ["ColdTier", "PromptStore", "StoreEntry", "StoreStats"]
+__all__ = ["ColdTier", "MAX_LENT", "PromptStore", "StoreEntry", "StoreStats"]
+
+#: Snapshots of lent entries held at once (requests in flight that may share a prefix).
+MAX_LENT = 8
 
 log = logging.getLogger("kvplugin.cache")
 
@@ -140,7 +164,9 @@ class StoreStats:
     spills: evicted or oversized entries accepted by the cold tier.  discarded:
     evicted entries not kept anywhere (no cold tier, or it refused).  rejected:
     inserts kept nowhere (empty, or oversized and no cold tier took it).
-    replaced/superseded: see module docstring.  bytes_by_kind: hot bytes per layer
+    replaced/superseded: see module docstring.  lent_copies: hits served from a copy of
+    an entry lent to a request in flight; lent_kept: snapshots stored again because
+    their continuation could not serve their prefix (see *Contention*).  bytes_by_kind: hot bytes per layer
     class name.  cold_entries/cold_bytes: from the cold tier if it exposes
     ``__len__``/``nbytes``; ``None`` when there is no cold tier (never a fake -1).
     """
@@ -160,6 +186,8 @@ class StoreStats:
     rejected: int = 0
     replaced: int = 0
     superseded: int = 0
+    lent_copies: int = 0
+    lent_kept: int = 0
     bytes_by_kind: dict = field(default_factory=dict)
     cold_entries: int | None = None
     cold_bytes: int | None = None
@@ -199,10 +227,11 @@ class PromptStore:
         self._lock = threading.RLock()
         self._index = KeyIndex(size=lambda e: e.nbytes)  # (model_key, tokens) -> StoreEntry
         self._owner: dict[int, StoreEntry] = {}  # id(first layer) -> entry holding it
+        self._lent: list[StoreEntry] = []  # snapshots of entries moved out (oldest first)
         self._c = dict.fromkeys(
             (
                 "stored hits misses evictions spills cold_hits discarded moved copied "
-                "tokens_reused rejected replaced superseded"
+                "tokens_reused rejected replaced superseded lent_copies lent_kept"
             ).split(),
             0,
         )
@@ -320,6 +349,10 @@ class PromptStore:
                 for layer in entry.cache:
                     layer.trim(extra)
             self._c["moved"] += 1
+            self._lent.append(StoreEntry(entry.model_key, entry.tokens[:n],
+                                         lend_view(entry.cache), entry.nbytes,
+                                         entry.prompt_len))
+            del self._lent[:-MAX_LENT]
             return entry.cache, n
         cache = copy_prefix(entry.cache, n, share=True)  # views: the donor stays stored
         if cache is None:
@@ -329,6 +362,52 @@ class PromptStore:
         # first tokens would keep old conversations alive forever.
         self._c["copied"] += 1
         return cache, n
+
+    def _lent_plan(self, model_key, key) -> tuple[StoreEntry, int, bool] | None:
+        """Under the lock: the lent snapshot holding most of ``key``: (snapshot, n, whole)."""
+        best = None
+        for lent in self._lent:
+            if lent.model_key != model_key:
+                continue
+            held = lent.tokens
+            common = 0
+            for a, b in zip(held, key):
+                if a != b:
+                    break
+                common += 1
+            n = min(common, len(key) - 1)
+            whole = n == len(held)
+            if n < 1 or not (whole or can_copy_prefix(lent.cache, n)):
+                continue
+            if best is None or n > best[1]:
+                best = (lent, n, whole)
+        return best
+
+    def _serve(self, plan, model_key, key) -> tuple[list | None, int]:
+        """Under the lock: the hot plan, or a lent copy when that holds more; counted."""
+        lent = self._lent_plan(model_key, key) if self._lent else None
+        if lent is not None and lent[1] > (plan[2] if plan else 0):
+            snap, n, whole = lent
+            cache = copy_lent(snap.cache, n, whole=whole)
+            if cache is not None:
+                self._c["lent_copies"] += 1
+                self._hit(n)
+                return cache, n
+        return self._serve_hot(plan)
+
+    def _return_lent(self, model_key, key: tuple, cache: list) -> list[StoreEntry]:
+        """Under the lock, at an insert of ``key``: settle the snapshots it continues.
+        Returns the ones to store again (see *Contention*)."""
+        keep, settled = [], []
+        for lent in self._lent:
+            n = len(lent.tokens)
+            if lent.model_key != model_key or len(key) <= n or key[:n] != lent.tokens:
+                keep.append(lent)
+            elif lent.prompt_len is None and not (is_trimmable(cache)
+                                                  and can_copy_prefix(cache, n)):
+                settled.append(lent)
+        self._lent = keep
+        return settled
 
     def _hit(self, n: int) -> None:
         self._c["hits"] += 1
@@ -378,6 +457,13 @@ class PromptStore:
                         self._c["replaced"] += 1
                 self._owner[id(cache[0])] = entry
                 self._c["stored"] += 1
+                for lent in self._return_lent(model_key, key, cache):
+                    kept = copy_lent(lent.cache, len(lent.tokens), whole=True)
+                    if kept is not None and self._index.get(model_key, lent.tokens) is None:
+                        again = StoreEntry(model_key, lent.tokens, kept, entry_nbytes(kept))
+                        self._index.add(model_key, lent.tokens, again)
+                        self._owner[id(kept[0])] = again
+                        self._c["lent_kept"] += 1
                 if is_trimmable(cache):
                     for _, prev in self._index.prefixes_of(model_key, key):
                         if prev.cache[0] is not cache[0]:
@@ -424,7 +510,7 @@ class PromptStore:
                 except Exception:
                     log.exception("kvplugin: cold tier probe failed")
             if not want_cold:
-                return self._serve_hot(plan)
+                return self._serve(plan, model_key, key)
         got = self._fetch_cold(model_key, key)
         if got is not None and check is not None and not check(got[0]):
             discard = getattr(cold, "discard", None)  # kept by the tier (a prefix copy)
@@ -439,7 +525,7 @@ class PromptStore:
                 self._hit(got[1])
                 self._c["cold_hits"] += 1
                 return got
-            return self._serve_hot(self._plan(model_key, key))
+            return self._serve(self._plan(model_key, key), model_key, key)
 
     def _fetch_cold(self, model_key, key):
         """Outside the lock.  (cache, n) with 1 <= n < len(key), or None."""
@@ -487,6 +573,7 @@ class PromptStore:
         entries still go through ``on_evict`` and count as discarded."""
         with self._lock:
             evicted = self._evict_until(0, 0)
+            self._lent.clear()
         self._dispose(evicted, spill=False)
 
     def attach_cold(self, cold: ColdTier) -> None:

@@ -328,6 +328,15 @@ class MlxLmAdapter(HostAdapter):
                 f"in one step",
                 key="mlx-lm:max-kv-batched",
             )
+            say(
+                f"--max-kv-size {s.max_kv_size}: once a conversation passes {s.max_kv_size} "
+                f"tokens its bounded layers have wrapped and cannot be cut back, so its next "
+                f"turn reuses the stored entry only if the new prompt repeats the stored tokens "
+                f"(prompt and reply) one for one; a reply the chat template re-tokenizes "
+                f"differently is a miss (layers that stay unbounded, such as chunked ones, could "
+                f"be cut, but a stored entry is reused whole or not at all)",
+                key="mlx-lm:max-kv-continue",
+            )
 
     # -- wrappers --------------------------------------------------------------------------
     def _wrap_main(self, original: Callable) -> Callable:
@@ -407,6 +416,10 @@ class MlxLmAdapter(HostAdapter):
                 fail_start(str(err))
             except OSError as err:  # e.g. the cold tier's directory cannot be created
                 fail_start(f"kvplugin: cannot set up the prompt store: {err}")
+            bits = getattr(cli, "kv_bits", None)
+            if bits is not None:  # the host quantizes its live caches: hand matching layers back
+                service.live_quantization = (int(bits), int(getattr(cli, "kv_group_size", 64)),
+                                             int(getattr(cli, "quantized_kv_start", 0) or 0))
             with adapter._state_lock:
                 adapter._pending = service
                 adapter._provider = model_provider

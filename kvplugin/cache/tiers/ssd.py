@@ -34,7 +34,8 @@ Layout and format
   quantized (packed + scales + biases) on disk and after reload.
 * Supported layer kinds: ``KVCache``, ``QuantizedKVCache``, ``RotatingKVCache``,
   ``ChunkedKVCache``, ``ConcatenateKVCache``, ``ArraysCache``, ``CacheList`` and
-  their subclasses whose extra instance attributes are plain scalars.  ``put`` of
+  their subclasses whose extra instance attributes are plain scalars, and kvplugin's
+  ``QuantizedRotatingKVCache`` (a rotating layer stored quantized).  ``put`` of
   anything else returns False.  On load the real class is used if its module is
   already imported (nothing is imported from file data) and it subclasses the
   recorded kind; otherwise the kind's mlx-lm class.
