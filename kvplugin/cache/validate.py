@@ -46,8 +46,17 @@ class Reference:
     children: tuple = ()
 
 
+def _layout(layer: Any) -> str | None:
+    """The vocabulary's layout; kvplugin's own quantized window counts as a rotating one."""
+    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache
+
+    if isinstance(layer, QuantizedRotatingKVCache):
+        return "RotatingKVCache"
+    return layout_of(layer)
+
+
 def _family(layer: Any) -> str | None:
-    kind = layout_of(layer)
+    kind = _layout(layer)
     if kind in _ATTENTION:
         return "attention"
     return {"ArraysCache": "arrays", "CacheList": "list"}.get(kind or "")
@@ -91,7 +100,7 @@ def reference_of(model: Any) -> list[Reference]:
 
 
 def _attention_problem(layer: Any, ref: Reference, where: str) -> str | None:
-    kind = layout_of(layer)
+    kind = _layout(layer)
     if ref.max_size is not None and (kind != "RotatingKVCache"
                                      or getattr(layer, "max_size", None) != ref.max_size):
         return f"{where}: the model keeps a window of {ref.max_size} tokens here, the entry " \
