@@ -58,14 +58,30 @@ def _eval_now(*arrays: mx.array) -> None:
         pass
 
 
+#: Slots a bounded cache grows by at least, and the granularity of its growth.
+GROW_UNIT = 256
+
+
 class PreallocatedRotatingKVCache(RotatingKVCache):
-    """``RotatingKVCache(max_size, keep)`` whose buffer is ``max_size`` slots, allocated once.
+    """``RotatingKVCache(max_size, keep)`` that grows in large steps, then never again.
+
+    Why not allocate ``max_size`` slots up front: a 32k bound then holds the whole bound from
+    the first token (540 MiB at 1k tokens of context on a KV-heavy model where stock growth
+    holds 44 MiB). Why not grow like stock (256 slots at a time, every layer on the same
+    step): every layer copies its whole buffer on the same decode step, so that step is
+    many times slower than the rest, and a multi-token chunk keeps up to ``max_size + L - 1``
+    slots. So each layer grows by ``max(256, its capacity / layers)`` slots, with its growth
+    points staggered by its index (``index``, ``layers``): at most about one layer copies its
+    buffer on any decode step, what a layer holds beyond its tokens is one growth step, and
+    the copy in flight is one layer's buffer. At ``max_size`` slots it stops growing and
+    rotates in place.
 
     Layout invariant (the one the stock class reaches after a one-token update, which is why
-    ``make_mask``, ``_temporal_order``, ``trim``, ``size``, ``nbytes`` and batch ``merge`` work
-    unchanged): while ``offset < max_size`` slots ``[0, offset)`` hold the tokens in order and
-    ``_idx == offset``; once full, ``[0, keep)`` hold the first ``keep`` tokens and
-    ``[keep, max_size)`` a ring whose next write position is ``_idx`` (``max_size`` = wrap next).
+    ``make_mask``, ``_temporal_order``, ``trim``, ``size`` and batch ``merge`` work unchanged):
+    while ``offset < max_size`` slots ``[0, offset)`` hold the tokens in order and
+    ``_idx == offset`` (the buffer may hold more slots); once full, the buffer is ``max_size``
+    slots, ``[0, keep)`` hold the first ``keep`` tokens and ``[keep, max_size)`` a ring whose
+    next write position is ``_idx`` (``max_size`` = wrap next).
 
     After a multi-token chunk of ``L`` tokens the stock class keeps the chunk's whole attention
     window (up to ``max_size + L - 1`` slots); its next update would cut that down to ``keep`` +
@@ -73,28 +89,59 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
     with ``_idx = max_size``: later results are the same, the memory is not.
     """
 
-    def __init__(self, max_size: int, keep: int = 0):
+    # class defaults: instances made without __init__ (mlx-lm's from_state, copies) grow
+    # unstaggered, one layer's worth at a time
+    _layers = 1
+    _phase = 0
+
+    def __init__(self, max_size: int, keep: int = 0, *, index: int = 0, layers: int = 1):
         if max_size < 1 or not 0 <= keep < max_size:
             raise ValueError(f"need max_size >= 1 and 0 <= keep < max_size, got {max_size}, {keep}")
         super().__init__(max_size, keep)
+        self._layers = max(1, int(layers))
+        self._phase = (int(index) * GROW_UNIT // self._layers) % GROW_UNIT
 
     # -- buffer management -------------------------------------------------------------
-    def _allocate(self, keys: mx.array, values: mx.array, dtype: Any = None) -> None:
+    def _capacity_for(self, need: int) -> int:
+        """Slots for ``need`` tokens: rounded up to this layer's staggered growth points."""
+        cap = -(-(need + self._phase) // GROW_UNIT) * GROW_UNIT - self._phase
+        return min(self.max_size, cap if cap >= need else cap + GROW_UNIT)
+
+    def _allocate(self, keys: mx.array, values: mx.array, dtype: Any = None,
+                  slots: int | None = None) -> None:
         B, H, _, Dk = keys.shape
         Dv = values.shape[3]
-        self.keys = mx.zeros((B, H, self.max_size, Dk), dtype or keys.dtype)
-        self.values = mx.zeros((B, H, self.max_size, Dv), dtype or values.dtype)
+        n = self.max_size if slots is None else slots
+        self.keys = mx.zeros((B, H, n, Dk), dtype or keys.dtype)
+        self.values = mx.zeros((B, H, n, Dv), dtype or values.dtype)
+
+    def _grow(self, need: int) -> None:
+        """At least ``need`` slots (while not full): one growth step, or more if asked."""
+        cur = self.keys.shape[2]
+        if need <= cur:
+            return
+        step = max(GROW_UNIT, -(-(cur // self._layers) // GROW_UNIT) * GROW_UNIT)
+        new = min(self.max_size, max(self._capacity_for(need), self._capacity_for(cur + step)))
+        n = min(self.offset, cur)
+        B, H, _, Dk = self.keys.shape
+        Dv = self.values.shape[3]
+        pad_k = mx.zeros((B, H, new - n, Dk), self.keys.dtype)
+        pad_v = mx.zeros((B, H, new - n, Dv), self.values.dtype)
+        self.keys = mx.concatenate([self.keys[..., :n, :], pad_k], axis=2)
+        self.values = mx.concatenate([self.values[..., :n, :], pad_v], axis=2)
 
     def _ensure_buffer(self, keys: mx.array, values: mx.array) -> None:
-        """Have a ``max_size``-slot buffer: allocate once; adopt a loaded/stock-layout state."""
+        """Have a buffer: allocate on first use; adopt a loaded/stock-layout state."""
         if self.keys is None:
-            self._allocate(keys, values)
+            self._allocate(keys, values, slots=self._capacity_for(keys.shape[2]))
             self._idx = 0
             return
-        if self.keys.shape[2] == self.max_size:
-            return
+        cap = self.keys.shape[2]
+        if cap == self.max_size if self.offset >= self.max_size else (
+                self._idx == self.offset and self.offset <= cap):
+            return  # our layout (a trimmed or loaded prefix too: it grows from there)
         # State set from elsewhere (a trimmed/loaded entry, a stock cache's state): move it once
-        # into a full buffer, in temporal order, as the stock class's next update would.
+        # into a buffer of our own, in temporal order, as the stock class's next update would.
         old_k = self._temporal_order(self.keys)
         old_v = self._temporal_order(self.values)
         n = old_k.shape[2]
@@ -103,7 +150,8 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
             old_k = mx.concatenate([old_k[..., : self.keep, :], old_k[..., tail:, :]], axis=2)
             old_v = mx.concatenate([old_v[..., : self.keep, :], old_v[..., tail:, :]], axis=2)
             n = self.max_size
-        self._allocate(old_k, old_v, old_k.dtype)
+        slots = self.max_size if self.offset >= self.max_size else self._capacity_for(n + 1)
+        self._allocate(old_k, old_v, old_k.dtype, slots=slots)
         self.keys[..., :n, :] = old_k
         self.values[..., :n, :] = old_v
         self._idx = n
@@ -127,6 +175,8 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
         """Keep ``keep`` + the newest ``max_size - keep`` tokens of a temporal-order window."""
         total = k_all.shape[2]
         tail = total - (self.max_size - self.keep)
+        if self.keys.shape[2] < self.max_size:  # full from now on: the ring's own buffer
+            self._allocate(k_all, v_all, slots=self.max_size)
         if self.keep:
             self.keys[..., : self.keep, :] = k_all[..., : self.keep, :]
             self.values[..., : self.keep, :] = v_all[..., : self.keep, :]
@@ -152,6 +202,7 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
         n = min(self.offset, self.max_size)
         if self.offset < self.max_size and n + S <= self.max_size:
             # Fits without wrapping: write in place, return views (stock: concat, same data).
+            self._grow(n + S)
             self.keys[..., n : n + S, :] = keys
             self.values[..., n : n + S, :] = values
             self.offset += S
@@ -172,6 +223,8 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
         idx = self.keep if self._idx >= self.max_size else self._idx
         if idx + S > self.max_size:  # only reachable for S > 1, which stock sends to concat
             return self._update_concat(keys, values)
+        if self.offset < self.max_size:
+            self._grow(idx + S)
         self._idx = idx
         self.keys[..., idx : idx + S, :] = keys
         self.values[..., idx : idx + S, :] = values
@@ -265,13 +318,15 @@ def bound_cache(cache: list, max_kv_size: int, keep: int = 4) -> tuple[list, int
         raise ValueError(f"keep must be in [0, max_kv_size), got {keep!r}")
     out: list = []
     unbounded = 0
-    for layer in cache:
+    n = len(cache)
+    for i, layer in enumerate(cache):
         t = type(layer)
         if t is KVCache and layer.keys is None:
-            out.append(PreallocatedRotatingKVCache(max_kv_size, keep))
+            out.append(PreallocatedRotatingKVCache(max_kv_size, keep, index=i, layers=n))
         elif t is RotatingKVCache and layer.keys is None:
             size = min(layer.max_size, max_kv_size)
-            out.append(PreallocatedRotatingKVCache(size, min(layer.keep, size - 1)))
+            out.append(PreallocatedRotatingKVCache(size, min(layer.keep, size - 1), index=i,
+                                                   layers=n))
         elif isinstance(layer, RotatingKVCache) and layer.max_size <= max_kv_size:
             out.append(layer)
         elif isinstance(layer, ArraysCache):

@@ -166,12 +166,12 @@ def growth_configs(tokens: int, layers: int) -> list[tuple[str, str, str, int, _
         ("kvplugin_stepped", "kvplugin", f"kvplugin KVCache step={tokens} (--kv-cache-step)",
          tokens, lambda: prealloc.apply_growth_step([KVCache() for _ in range(layers)], tokens)),
         ("kvplugin_prealloc_rotating", "kvplugin",
-         f"kvplugin PreallocatedRotating({tokens}) (--max-kv-size)", tokens,
+         f"kvplugin bounded({tokens}), staggered growth (--max-kv-size)", tokens,
          lambda: prealloc.bound_cache([KVCache() for _ in range(layers)], tokens)[0]),
         ("stock_rotating_half", "stock", f"stock RotatingKVCache({half}, keep=4), wraps", half,
          lambda: [RotatingKVCache(half, keep=4) for _ in range(layers)]),
         ("kvplugin_prealloc_rotating_half", "kvplugin",
-         f"kvplugin PreallocatedRotating({half}), wraps", half,
+         f"kvplugin bounded({half}), wraps", half,
          lambda: prealloc.bound_cache([KVCache() for _ in range(layers)], half)[0]),
     ]
 
