@@ -44,6 +44,8 @@ BENCH_MODES = {
     "quality": ("kvplugin.tools.bench.quality", "answer quality with quantized KV entries"),
     "memory": ("kvplugin.tools.bench.memory",
                "with --server: the whole process's memory across cache reuse (VmHWM, MLX)"),
+    "bound": ("kvplugin.tools.bench.bound",
+              "a real model's decode inside a --max-kv-size bound: speed and memory vs stock"),
     "families": ("kvplugin.tools.bench.families",
                  "with --server: per model family, stock vs kvplugin reuse, bytes, warm TTFT"),
 }
@@ -58,7 +60,8 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--memory and --families are two benchmarks: choose one")
     mode = ("memory" if args.memory else "families" if args.families
             else "server" if args.server
-            else "quality" if args.quality else "engine")
+            else "quality" if args.quality
+            else "bound" if args.bound else "engine")
     module_name, _ = BENCH_MODES[mode]
     rest = list(args.bench_args)
     if args.help:
@@ -108,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode = bench.add_mutually_exclusive_group()
     mode.add_argument("--server", action="store_true", help=BENCH_MODES["server"][1])
     mode.add_argument("--quality", action="store_true", help=BENCH_MODES["quality"][1])
+    mode.add_argument("--bound", action="store_true", help=BENCH_MODES["bound"][1])
     bench.add_argument("--memory", action="store_true", help=BENCH_MODES["memory"][1])
     bench.add_argument("--families", action="store_true", help=BENCH_MODES["families"][1])
     bench.add_argument("-h", "--help", action="store_true",
