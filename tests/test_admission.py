@@ -123,6 +123,23 @@ def test_ledger_verdicts():
     assert ledger.release(1) and not ledger.release(1)
     verdict, _ = ledger.judge(2, 30, stored=0, active=30)
     assert verdict.admitted
+    assert ledger.release(2)
+
+
+def test_a_batched_request_is_priced_alone_when_nothing_else_runs():
+    ledger = Ledger(limit=100)
+    ledger.observe_idle(active=30, stored=0)
+    # batched it would need 80 (its cache copied into the batch), alone 40: it runs alone
+    verdict, _ = ledger.judge(1, 80, stored=0, active=30, alone=40)
+    assert verdict.admitted and ledger.held == 40
+    # beside it, the next one is priced batched: 30 + 40 + 80 > 100
+    verdict, _ = ledger.judge(2, 80, stored=0, active=70, alone=40)
+    assert verdict.status == 503
+    # and 413 only when it cannot fit even alone
+    verdict, _ = ledger.judge(3, 200, stored=0, active=70, alone=60)
+    assert verdict.status == 503
+    verdict, _ = ledger.judge(3, 200, stored=0, active=70, alone=80)
+    assert verdict.status == 413
 
 
 class Policy:

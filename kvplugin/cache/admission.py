@@ -10,7 +10,9 @@ request *needs* (an upper bound, estimated from the model's own cache layers, se
 
 - its KV cache when it ends: KV bytes per token x (prompt + max_tokens), per layer, plus one
   growth step; a bounded layer (sliding window, ``--max-kv-size``) at most its window;
-  recurrent state its fixed size;
+  recurrent state its fixed size; twice that on a batched path, where the host copies a
+  request's cache into the batch (measured: four concurrent 1.1k-token requests on mlx-lm's
+  batched path peaked at 234 MiB against 160 MiB of single-request estimates);
 - one prefill chunk's transient: the chunk's new KV, one layer's old buffer while it grows,
   the chunk's activations and its attention scores;
 - with quantized entries, dequantizing the fetched entry: its full-precision size.
@@ -120,10 +122,16 @@ class Footprint:
         scores = self.heads * chunk * (context + chunk) * 4  # float32 scores, unfused
         return new_kv + one_layer_old + activations + scores
 
-    def need(self, prompt: int, max_tokens: int, chunk: int, *, dequantize: bool) -> int:
-        """Upper bound of what one request adds to the process's MLX memory."""
+    def need(self, prompt: int, max_tokens: int, chunk: int, *, dequantize: bool,
+             batched: bool = False) -> int:
+        """Upper bound of what one request adds to the process's MLX memory.
+
+        ``batched``: the request joins a batch; the host then holds its cache twice for a
+        moment (its own, and the batch's copy when the batch is merged or extended).
+        """
         total = prompt + max(0, max_tokens)
-        need = self.kv_bytes(total) + self.prefill_bytes(min(chunk, max(prompt, 1)), prompt)
+        kv = self.kv_bytes(total) * (2 if batched else 1)
+        need = kv + self.prefill_bytes(min(chunk, max(prompt, 1)), prompt)
         if dequantize:
             need += self.kv_bytes(prompt)
         return need
@@ -223,18 +231,24 @@ class Ledger:
                 self.base = seen if self.base is None else min(self.base, seen)
 
     def judge(self, key: Hashable, need: int, *, stored: int, active: int,
-              retry_after_s: int = 1) -> tuple[Verdict, int]:
+              alone: int | None = None, retry_after_s: int = 1) -> tuple[Verdict, int]:
         """The verdict for ``need`` bytes (reserved under ``key`` when admitted), and how
         many stored bytes must go first (0: none).
 
-        ``active``: MLX's active memory now; where requests in flight use more than they
-        reserved (an estimate is an estimate), it wins over the ledger.
+        ``alone``: what the request needs when nothing else runs (no batch to be copied
+        into); 413 is decided on it, so a request that fits alone is never told it never
+        fits. ``active``: MLX's active memory now; where requests in flight use more than
+        they reserved (an estimate is an estimate), it wins over the ledger.
         """
         with self._lock:
             base = self.base or 0
             held = sum(self.reserved.values())
-            in_use = max(base + held, active - stored)
-            if base + need > self.limit:
+            # with requests in flight, MLX's count of what they really use wins where it is
+            # higher; with none, what is left is a finished request's memory on its way out
+            in_use = max(base + held, active - stored) if held else base
+            if alone is not None and not held:
+                need = alone  # it runs alone: no batch to be copied into
+            if base + (need if alone is None else alone) > self.limit:
                 return Verdict(413, need, self.limit, (
                     f"kvplugin: this request needs an estimated {_mib(need)} of memory (its "
                     f"KV cache for prompt + max_tokens and one prefill chunk) on top of "

@@ -64,7 +64,7 @@ class AdmissionControl:
 
     # -- requests -------------------------------------------------------------------------
     def admit(self, key: Hashable, model: Any, *, prompt_tokens: int, max_tokens: int,
-              prefill_chunk: int) -> Verdict | None:
+              prefill_chunk: int, batched: bool = False) -> Verdict | None:
         """Admit (reserving) or raise :class:`AdmissionRefused`. None: no admission control."""
         ledger = self.ledger
         footprint = self._footprints.get(id(model))
@@ -72,14 +72,16 @@ class AdmissionControl:
             return None
         import mlx.core as mx
 
-        need = footprint.need(prompt_tokens, max_tokens, prefill_chunk,
-                              dequantize=bool(self.settings.kv_cache_quantization))
+        dequantize = bool(self.settings.kv_cache_quantization)
+        need = footprint.need(prompt_tokens, max_tokens, prefill_chunk, dequantize=dequantize,
+                              batched=batched)
+        alone = footprint.need(prompt_tokens, max_tokens, prefill_chunk, dequantize=dequantize)
         stored = self.store.nbytes
         active = int(mx.get_active_memory())
         status = self.hook.kvplugin_admit(need=need, limit=ledger.limit, in_use=ledger.held,
                                           stored=stored, settings=self.settings)
         if status is None:  # kvplugin's own policy
-            verdict, excess = ledger.judge(key, need, stored=stored, active=active)
+            verdict, excess = ledger.judge(key, need, stored=stored, active=active, alone=alone)
             if verdict.admitted and excess:
                 self._evict(excess)
         elif status == 200:  # a plugin admits: the ledger still counts it

@@ -31,7 +31,7 @@ _refusal = threading.local()  # the verdict of this handler thread's refused req
 
 def check_admission_seams(server: Any) -> None:
     rg, handler = server.ResponseGenerator, server.APIHandler
-    for owner, name in ((rg, "_tokenize"), (rg, "generate"), (handler, "handle_completion"),
+    for owner, name in ((rg, "_tokenize"), (rg, "generate"), (rg, "_is_batchable"), (handler, "handle_completion"),
                         (handler, "_set_completion_headers")):
         require(callable(getattr(owner, name, None)), f"mlx_lm.server.{owner.__name__}.{name}")
 
@@ -55,7 +55,8 @@ def _wrap_tokenize(adapter: Any, original: Any) -> Any:
             service.admission.admit(
                 id(request), generator.model_provider.model, prompt_tokens=len(result[0]),
                 max_tokens=int(getattr(args, "max_tokens", 0) or 0),
-                prefill_chunk=int(generator.cli_args.prefill_step_size))
+                prefill_chunk=int(generator.cli_args.prefill_step_size),
+                batched=bool(generator._is_batchable(args)))
         return result
 
     return _tokenize

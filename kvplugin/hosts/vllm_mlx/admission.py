@@ -27,13 +27,14 @@ __all__ = ["admit_or_raise", "check_seams", "install"]
 
 
 def admit_or_raise(service: Any, key: Any, model: Any, *, prompt_tokens: int, max_tokens: int,
-                   prefill_chunk: int) -> None:
+                   prefill_chunk: int, batched: bool = False) -> None:
     """The session's admission control; a refusal as the ``HTTPException`` vllm-mlx answers."""
     from kvplugin.cache.admission import AdmissionRefused
 
     try:
         service.admission.admit(key, model, prompt_tokens=prompt_tokens,
-                                max_tokens=int(max_tokens or 0), prefill_chunk=prefill_chunk)
+                                max_tokens=int(max_tokens or 0), prefill_chunk=prefill_chunk,
+                                batched=batched)
     except AdmissionRefused as exc:
         from fastapi import HTTPException
 
@@ -70,7 +71,8 @@ def _wrap_add_request(original: Any, adapter: Any) -> Any:
                     service, request.request_id, self.model,
                     prompt_tokens=len(request.prompt_token_ids),
                     max_tokens=request.sampling_params.max_tokens,
-                    prefill_chunk=int(getattr(self.config, "prefill_step_size", 2048) or 2048))
+                    prefill_chunk=int(getattr(self.config, "prefill_step_size", 2048) or 2048),
+                    batched=True)
         return original(self, request, *args, **kwargs)
 
     return add_request
