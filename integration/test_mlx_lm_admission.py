@@ -43,6 +43,21 @@ def test_the_limit_is_in_force(srv):
     assert stats["admission_base"] and stats["admission_base"] < LIMIT  # the model, probed
 
 
+def test_a_buffer_cache_past_a_quarter_of_the_limit_is_handed_back_after_a_request(srv):
+    """No eviction needed: a request's transients left in MLX's buffer cache beyond a quarter
+    of --max-memory are released when it ends (the limit here is 80 MiB: 20 MiB). It runs
+    before the module's other tests, while nothing is stored, so no eviction releases."""
+    before = srv.get("/kvplugin/stats")
+    # ~1.1k tokens and a long decode: its growth leaves tens of MiB in MLX's buffer cache
+    srv.chat(_prompt("bloat", 700), max_tokens=300)
+    deadline = time.monotonic() + 30
+    while (after := srv.get("/kvplugin/stats"))["memory_releases"] == before["memory_releases"]:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+    assert after["store_evictions"] == before["store_evictions"]  # not an eviction's release
+    assert after["mlx_cache_memory"] <= LIMIT // 4
+
+
 def test_a_request_that_can_never_fit_gets_413_naming_limit_and_need(srv):
     with pytest.raises(ServerHTTPError) as err:
         srv.chat(_prompt("huge", 3000), max_tokens=8)  # ~4k tokens: ~70 MiB of KV alone, beyond the limit with the model
@@ -59,3 +74,4 @@ def test_a_request_that_can_never_fit_gets_413_naming_limit_and_need(srv):
 def test_two_large_concurrent_requests_give_one_503_and_the_retry_is_served(srv):
     harness.assert_busy_then_served(srv, _prompt("first", 700), _prompt("second", 700),
                                     limit=LIMIT)
+

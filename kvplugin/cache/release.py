@@ -18,7 +18,12 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-__all__ = ["mlx_memory", "release_buffer_cache"]
+__all__ = ["buffer_cache_bytes", "mlx_memory", "release_buffer_cache"]
+
+
+def buffer_cache_bytes() -> int:
+    """What MLX's buffer cache holds now (freed buffers kept for reuse)."""
+    return int(mx.get_cache_memory())
 
 
 def release_buffer_cache() -> int:

@@ -231,6 +231,20 @@ class KVService:
             self._event("store", len(tokens), entry)
         return stored
 
+    def request_done(self, key: Any) -> None:
+        """A request is over (answered, failed or refused): its admission reservation goes,
+        and MLX's buffer cache is handed back when it holds more than a quarter of the memory
+        limit (``--max-memory``; off: of physical memory). Below that the buffers are kept
+        for the next request to reuse, as MLX intends."""
+        self.admission.finish(key)
+        from kvplugin.cache.admission import physical_memory
+        from kvplugin.cache.release import buffer_cache_bytes
+
+        ledger = self.admission.ledger
+        limit = ledger.limit if ledger is not None else physical_memory()
+        if buffer_cache_bytes() > limit // 4:
+            self.release_memory()
+
     def _event(self, event: str, tokens: int, cache: list | None = None) -> None:
         """Tell observers (``kvplugin_cache_event``) what just happened, and to how much."""
         caller = self.hook.kvplugin_cache_event

@@ -98,6 +98,6 @@ def _wrap_handle_completion(adapter: Any, original: Any) -> Any:
         finally:
             service = adapter.service
             if service is not None:
-                service.admission.finish(id(request))
+                service.request_done(id(request))
 
     return handle_completion

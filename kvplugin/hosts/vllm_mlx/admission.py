@@ -82,7 +82,7 @@ def _finish(adapter: Any, request_ids: Any) -> None:
     service = adapter.runtime.service
     if service is not None:
         for rid in list(request_ids):
-            service.admission.finish(rid)
+            service.request_done(rid)
 
 
 def _wrap_cleanup(original: Any, adapter: Any) -> Any:

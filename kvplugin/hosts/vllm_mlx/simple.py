@@ -222,7 +222,7 @@ def cached_generation(original: Callable, service: Any, key: str, model: Any, to
     finally:
         if ok:
             give_back(service, key, tokens + generated, cache)
-        service.admission.finish(id(ticket))
+        service.request_done(id(ticket))
 
 
 def give_back(service: Any, key: str, sequence: list[int], cache: list) -> None:
