@@ -24,7 +24,18 @@ def srv(start_server):
 def test_startup_says_what_is_bounded(srv):
     log = srv.log_text()
     assert f"max-kv-size: {N} tokens" in log
-    assert f"--max-kv-size {N}: sequential requests" in log and "BatchRotatingKVCache" in log
+    # changed on purpose: batched requests no longer drop the first tokens, they are served
+    # sequentially, and the line says so
+    assert f"--max-kv-size {N}: every request gets" in log and "one at a time" in log
+
+
+def test_same_answer_on_both_routes(srv):
+    """Greedy: without a seed (mlx-lm's batched route) = with a seed (its sequential route)."""
+    messages = [{"role": "user", "content": LONG + " (routes)"}]
+    a = srv.chat(messages, max_tokens=12)
+    b = srv.chat(messages, max_tokens=12, seed=11)
+    assert a["usage"]["prompt_tokens"] > N
+    assert answer_text(a) == answer_text(b)
 
 
 @pytest.mark.parametrize("seed", [None, 4], ids=["batched", "sequential"])
@@ -38,10 +49,10 @@ def test_long_requests_work_and_caches_are_bounded(srv, seed):
                  {"role": "user", "content": "And then?"}]
     second = srv.chat(messages, max_tokens=8, seed=seed)
     assert answer_text(second).strip()
-    if seed is None:
-        # the batched path stored the prompt up to its last segment: a rotating entry that
-        # has wrapped (more than N tokens) and is reused by move for the continuation
-        assert cached_tokens(second) > N, second["usage"]
+    # changed on purpose: on every route the entry is stored at its prompt boundary (the
+    # sequential route rewinds its answer with the undo log): a rotating entry that has
+    # wrapped (more than N tokens) and is reused by move for the continuation
+    assert cached_tokens(second) > N, second["usage"]
     stats = srv.get("/kvplugin/stats")
     assert stats["max_kv_size"] == N
     assert stats["caches_bounded"] >= 1 and stats["caches_bounded"] <= stats["caches_made"]

@@ -166,9 +166,11 @@ def _restart_checks(srv):
     assert set(s["store_bytes_by_kind"]) == {"QuantizedKVCache"}, s
 
 
-def test_hot_cache_only_with_max_kv_size_writes_nothing(tiny_model, tmp_path):
+def test_hot_cache_only_writes_nothing(tiny_model, tmp_path):
+    # changed on purpose: --max-kv-size is refused with --continuous-batching (its batch
+    # cache keeps no first tokens; test_vllm_mlx_cli checks the refusal), so this runs unbounded
     srv = start_in(
-        tiny_model, tmp_path, *CB, "--max-kv-size", "256", "--cache-memory-mb", "1",
+        tiny_model, tmp_path, *CB, "--cache-memory-mb", "1",
         env={"KVPLUGIN_HOT_CACHE_ONLY": "1"},
     )
     try:
@@ -183,12 +185,9 @@ def _hot_only_checks(srv):
     with cf.ThreadPoolExecutor(6) as pool:
         list(pool.map(lambda i: conversation(srv, i, turns=1), range(30, 36)))
     s = stats(srv)
-    assert s["hot_cache_only"] is True and s["max_kv_size"] == 256, s
+    assert s["hot_cache_only"] is True and s["max_kv_size"] is None, s
     assert s["store_entries"] >= 1, s
-    assert set(s["store_bytes_by_kind"]) <= {"RotatingKVCache"}, s  # bounded by vllm-mlx
-    # <= 256 slots per entry. 1 KiB per fp16 token; x2 because mlx-lm 0.31.3's batched
-    # rotating caches come out float32 for sequences prefilled together (stock does the same)
-    assert s["store_bytes"] <= s["store_entries"] * 256 * 2048, s
+    assert s["store_bytes"] <= 1 << 20, s  # the 1 MiB budget
     assert s["store_evictions"] >= 1 and s["store_discarded"] == s["store_evictions"], s
     srv.stop()
     leftovers = [

@@ -334,7 +334,7 @@ def test_serving_patches_every_seam_and_uninstall_restores_everything(adapter, f
              (f.scheduler, "MemoryAwarePrefixCache"), (f.scheduler.Scheduler, "ensure_ssd_tier"),
              (f.scheduler.Scheduler, "add_request"), (f.scheduler.Scheduler, "_cleanup_finished"),
              (f.scheduler.Scheduler, "abort_request"),
-             (cache_mod.BatchKVCache, "step"), (cache_mod.BatchRotatingKVCache, "step"),
+             (cache_mod.BatchKVCache, "step"),
              (f.batched.BatchedEngine, "save_cache_to_disk"),
              (f.batched.BatchedEngine, "load_cache_from_disk"), (f.server, "load_model"),
              (f.metrics.MetricsCollector, "_init_prometheus"), (f.server.app.router, "routes")]
@@ -343,14 +343,16 @@ def test_serving_patches_every_seam_and_uninstall_restores_everything(adapter, f
     adapter.apply(f.cli, adapter.registry)  # stage 1 as install does (no version gate here)
     adapter.installed = True
     args = f.cli.create_parser().parse_args(
-        ["serve", "/m", "--continuous-batching", "--hot-cache-only", "--max-kv-size", "300",
+        # changed on purpose: no --max-kv-size here, the batching mode now refuses it
+        # (its batch cache keeps no first tokens), so BatchRotatingKVCache.step is not set
+        ["serve", "/m", "--continuous-batching", "--hot-cache-only",
          "--kv-cache-step", "128", "--cache-memory-mb", "32"])
     assert f.cli.serve_command(args) == "served"
     assert adapter.serving_installed
     during = _owned(*seams)
     changed = {k for k in before if before[k] is not during[k]}
     assert changed == set(before)  # every seam replaced (or added)
-    assert cache_mod.BatchKVCache.step == 128 and cache_mod.BatchRotatingKVCache.step == 300
+    assert cache_mod.BatchKVCache.step == 128
     assert adapter.runtime.service.store.max_bytes == 32 << 20  # the host's own budget
     assert f.batched.BatchedEngine().save_cache_to_disk("/x") is False  # hot only: no disk
     assert f.scheduler.Scheduler().ensure_ssd_tier() == "host tier"  # not kvplugin's cache

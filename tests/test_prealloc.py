@@ -24,6 +24,7 @@ from kvplugin.cache.prealloc import (
     bound_cache,
     make_stepped_kv_cache,
     register_with_mlx_lm,
+    rewind_decode,
 )
 
 H, D = 2, 32
@@ -340,3 +341,66 @@ def test_adopts_a_stock_cache_state():
     a, b = _run([stock, ours], schedule, data, start=500)
     assert mx.array_equal(a, b).item()
     assert ours.keys.shape[2] == 256
+
+
+def _state_equal(a, b) -> bool:
+    sa, sb = tuple(a.state)[:2], tuple(b.state)[:2]
+    return (a.offset, a._idx, a.keep, a.max_size) == (b.offset, b._idx, b.keep, b.max_size) and all(
+        x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(sa, sb)
+    )
+
+
+@pytest.mark.parametrize("prefill,decode,back", [
+    (300, 40, 40),   # wrapped by the prefill, all decode taken back
+    (300, 40, 17),   # part of it
+    (200, 100, 100),  # wraps during decode (the ring wraps from max_size to keep)
+    (600, 240, 240),  # most of the ring
+    (300, 200, 150),  # several undo blocks (64 slots here)
+    (260, 240, 200),  # the ring's end reached during decode: next write back at keep
+    (100, 20, 20),   # never wrapped: the stock trim
+])
+def test_trim_after_wrap_restores_the_exact_state(prefill, decode, back, monkeypatch):
+    """trim(n) after one-token writes on a wrapped ring = a cache that never saw those tokens,
+    bitwise (arrays, offset, _idx), and it continues identically."""
+    monkeypatch.setattr(PreallocatedRotatingKVCache, "UNDO_BLOCK", 64)
+    data = _data(prefill + decode + 50, seed=7)
+    ours, ref = PreallocatedRotatingKVCache(256, 4), PreallocatedRotatingKVCache(256, 4)
+    _run([ours], [prefill] + [1] * decode, data)
+    _run([ref], [prefill] + [1] * (decode - back), data)
+    assert ours.is_trimmable() and ours.undo_len() == decode
+    assert ours.trim(back) == back
+    assert _state_equal(ours, ref)
+    start = prefill + decode - back
+    a, b = _run([ours, ref], [1] * 20 + [30], data, start=start)
+    assert mx.array_equal(a, b).item()
+
+
+def test_undo_log_limits():
+    """A chunk resets the log; more writes than the ring drop it (no slot written twice);
+    only the logged writes can be taken back."""
+    data = _data(1200, seed=3)
+    c = PreallocatedRotatingKVCache(64, 4)
+    _run([c], [100] + [1] * 10, data)
+    assert c.trim(50) == 10 and c.offset == 100  # only the 10 logged writes come back
+    _run([c], [5], data, start=100)  # a chunk: nothing logged since
+    assert c.undo_len() == 0 and not c.is_trimmable() and c.trim(1) == 0
+    _run([c], [1] * 61, data, start=105)  # more than the ring (60 slots): log dropped
+    assert c.undo_len() == 0 and not c.is_trimmable()
+    assert c.undo_nbytes() == 0
+
+
+def test_rewind_decode_goes_back_to_the_prompt_boundary():
+    """What the session does before storing: every layer back to the end of its prefill, the
+    logs dropped (a stored entry holds max_size slots and nothing more); unwrapped: untouched."""
+    data = _data(400, seed=9)
+    layers = [PreallocatedRotatingKVCache(128, 4), PreallocatedRotatingKVCache(32, 0)]
+    ref = [PreallocatedRotatingKVCache(128, 4), PreallocatedRotatingKVCache(32, 0)]
+    _run(layers, [200] + [1] * 12, data)
+    _run(ref, [200], data)
+    assert layers[0].undo_nbytes() > 0
+    assert rewind_decode(layers) == 12
+    assert all(_state_equal(a, b) for a, b in zip(layers, ref))
+    assert all(c.undo_len() == 0 and c.undo_nbytes() == 0 for c in layers)
+    small = [PreallocatedRotatingKVCache(128, 4)]
+    _run(small, [50] + [1] * 5, data)
+    assert rewind_decode(small) == 0 and small[0].offset == 55  # stock-trimmable: kept whole

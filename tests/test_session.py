@@ -213,6 +213,19 @@ def test_host_option_conflicts():
     assert "--draft-model" in host_option_conflict(bounded, {"draft_model": "x"})
     assert host_option_conflict(bounded, {}) is None
     assert host_option_conflict(resolve_settings(), {"kv_bits": 8}) is None
+    msg = host_option_conflict(bounded, {"continuous_batching": True})
+    assert "--continuous-batching" in msg and "KVPLUGIN_MAX_KV_SIZE" in msg
+    assert host_option_conflict(resolve_settings(), {"continuous_batching": True}) is None
+
+
+def test_batch_honours_bound_only_without_kept_tokens():
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
+    from kvplugin.cache.session import batch_honours_bound
+
+    assert batch_honours_bound([KVCache(), RotatingKVCache(128, 0)])
+    assert not batch_honours_bound([PreallocatedRotatingKVCache(64, 4), KVCache()])
 
 
 def test_model_problem_is_one_message_naming_flag_env_and_source():

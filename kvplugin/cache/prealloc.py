@@ -41,6 +41,7 @@ __all__ = [
     "make_stepped_kv_cache",
     "apply_growth_step",
     "bound_cache",
+    "rewind_decode",
 ]
 
 
@@ -100,6 +101,85 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
         super().__init__(max_size, keep)
         self._layers = max(1, int(layers))
         self._phase = (int(index) * GROW_UNIT // self._layers) % GROW_UNIT
+        self._reset_undo()
+
+    #: Slots copied at a time into the undo log (one copy and one evaluation per block, so
+    #: every other one-token write still donates the buffer in place).
+    UNDO_BLOCK = 256
+
+    # -- undo log: exact trim after the ring has wrapped -------------------------------
+    # Why: the sequential path stores prompt + answer; once the ring has wrapped the stock
+    # class cannot trim, so the next turn (which shares only the prompt and part of the answer)
+    # reused nothing. One-token writes since the last multi-token chunk are logged: the
+    # ``_idx`` before each write, and a copy of each ring block taken before its first write
+    # since then. ``trim(n)`` for n <= the logged writes restores the overwritten slots, so the
+    # state is bitwise the one a cache that never saw those tokens has. The log holds at most
+    # one ring's worth of writes (each slot written once); beyond that it is dropped.
+    def _reset_undo(self) -> None:
+        self._undo_idx: list[int] | None = []  # _idx before each logged write
+        self._undo_over: list[bool] = []  # whether that write overwrote a token
+        self._undo_blocks: dict[int, tuple[mx.array, mx.array]] = {}
+
+    def drop_undo(self) -> None:
+        """Forget the undo log (a stored entry keeps exactly its ``max_size`` slots)."""
+        self._reset_undo()
+
+    def undo_len(self) -> int:
+        """One-token writes that :meth:`trim` can take back (0: none, or the log was dropped)."""
+        log_ = getattr(self, "_undo_idx", None)
+        return 0 if log_ is None else len(log_)
+
+    def undo_nbytes(self) -> int:
+        """Bytes the undo log's block copies hold (only blocks overwritten since a chunk)."""
+        return sum(k.nbytes + v.nbytes for k, v in getattr(self, "_undo_blocks", {}).values())
+
+    def _log_write(self, idx: int) -> None:
+        if not hasattr(self, "_undo_idx"):  # made by copy_prefix / __new__
+            self._reset_undo()
+        if self._undo_idx is None:
+            return
+        over = self.offset >= self.max_size  # a write below the offset overwrites nothing
+        if over and sum(self._undo_over) >= self.max_size - self.keep:
+            self._undo_idx, self._undo_over, self._undo_blocks = None, [], {}  # slot twice
+            return
+        self._undo_idx.append(self._idx)
+        self._undo_over.append(over)
+        b = idx // self.UNDO_BLOCK
+        if over and b not in self._undo_blocks:
+            lo, hi = b * self.UNDO_BLOCK, min((b + 1) * self.UNDO_BLOCK, self.max_size)
+            k = mx.contiguous(self.keys[..., lo:hi, :])
+            v = mx.contiguous(self.values[..., lo:hi, :])
+            _eval_now(k, v)  # copied before the write, so the write can still donate
+            self._undo_blocks[b] = (k, v)
+
+    def is_trimmable(self) -> bool:
+        return self.offset < self.max_size or self.undo_len() > 0
+
+    def trim(self, n: int) -> int:
+        if self.offset < self.max_size:  # never wrapped: nothing was overwritten
+            n = super().trim(n)
+            if self.undo_len():
+                cut = max(0, len(self._undo_idx) - n)
+                del self._undo_idx[cut:], self._undo_over[cut:]
+            return n
+        n = min(n, self.undo_len())
+        if n <= 0:
+            return 0
+        cut = len(self._undo_idx) - n
+        for pre, over in zip(reversed(self._undo_idx[cut:]), reversed(self._undo_over[cut:])):
+            if over:
+                slot = self.keep if pre >= self.max_size else pre
+                b = slot // self.UNDO_BLOCK
+                k, v = self._undo_blocks[b]
+                j = slot - b * self.UNDO_BLOCK
+                self.keys[..., slot : slot + 1, :] = k[..., j : j + 1, :]
+                self.values[..., slot : slot + 1, :] = v[..., j : j + 1, :]
+            self._idx = pre
+        del self._undo_idx[cut:], self._undo_over[cut:]
+        self.offset -= n
+        if not any(self._undo_over):
+            self._undo_blocks = {}
+        return n
 
     # -- buffer management -------------------------------------------------------------
     def _capacity_for(self, need: int) -> int:
@@ -188,6 +268,7 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
     def _update_concat(self, keys: mx.array, values: mx.array):
         S = keys.shape[2]
         first = self.keys is None
+        self._reset_undo()  # a chunk is not logged: trimming stops here
         self._ensure_buffer(keys, values)
         if first:
             # Stock returns the chunk itself; we do too and store what will stay visible.
@@ -225,6 +306,10 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
             return self._update_concat(keys, values)
         if self.offset < self.max_size:
             self._grow(idx + S)
+        if S == 1:
+            self._log_write(idx)
+        else:
+            self._reset_undo()
         self._idx = idx
         self.keys[..., idx : idx + S, :] = keys
         self.values[..., idx : idx + S, :] = values
@@ -335,3 +420,27 @@ def bound_cache(cache: list, max_kv_size: int, keep: int = 4) -> tuple[list, int
             out.append(layer)
             unbounded += 1
     return out, unbounded
+
+
+def rewind_decode(cache: list) -> int:
+    """Take back the one-token writes of a wrapped bounded entry before it is stored.
+
+    Why: once a ``PreallocatedRotatingKVCache`` has wrapped, only its logged one-token writes
+    can be trimmed. The sequential path stores prompt + answer, and the next turn shares only
+    the prompt and part of the (re-tokenized) answer, so such an entry would be reused for
+    nothing. Rewound to the end of its last prefill chunk it is the entry the batched path
+    stores (the prompt boundary), which the next turn extends. Every layer goes back by the
+    same number of tokens, or none does. The logs are dropped either way, so a stored entry
+    holds its ``max_size`` slots and nothing more. Returns the tokens taken back.
+    """
+    bounded = [c for c in cache if isinstance(c, PreallocatedRotatingKVCache)]
+    wrapped = [c for c in bounded if c.offset >= c.max_size]
+    r = min((c.undo_len() for c in wrapped), default=0)
+    if r and all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
+        for c in cache:
+            c.trim(r)
+    else:
+        r = 0
+    for c in bounded:
+        c.drop_undo()
+    return r

@@ -30,7 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mlx_lm.models.cache import RotatingKVCache
+
 from kvplugin.cache.layers import dense_nbytes, entry_nbytes, entry_tokens, layer_bits
+from kvplugin.cache.prealloc import rewind_decode
 from kvplugin.cache.pressure import AdmissionControl
 from kvplugin.cache.release import mlx_memory
 from kvplugin.cache.store import PromptStore
@@ -301,6 +304,7 @@ class KVService:
     @staticmethod
     def key_for_cache(cache: list, tokens: list[int]) -> list[int] | None:
         """The store key that matches what ``cache`` really holds, or ``None`` to skip."""
+        rewind_decode(cache)  # a wrapped bounded entry goes back to its prompt boundary
         held = entry_tokens(cache)
         if held is None or held == len(tokens):
             return tokens  # no layer counts tokens (recurrent state): the host's key stands
@@ -620,13 +624,30 @@ def model_problem(model: Any, settings: KVPluginSettings | None,
     return None
 
 
+def batch_honours_bound(cache: list) -> bool:
+    """Whether mlx-lm's batched path serves this fresh (bounded) cache with the same answers.
+
+    Its ``BatchRotatingKVCache`` keeps no first tokens, so a layer bounded with ``keep > 0``
+    (mlx-lm's own ``generate --max-kv-size`` keeps 4) would answer differently batched than
+    sequentially. Such a model is served sequentially, as mlx-lm serves ``--kv-bits``.
+    """
+    return not any(isinstance(c, RotatingKVCache) and c.keep > 0 for c in cache)
+
+
 def host_option_conflict(settings: KVPluginSettings, host_options: Mapping[str, Any]) -> str | None:
     """A host option kvplugin's settings cannot be served with (one message), or ``None``.
 
-    ``host_options``: the host's parsed values by name (``kv_bits``, ``draft_model``).
+    ``host_options``: the host's parsed values by name (``kv_bits``, ``draft_model``,
+    ``continuous_batching``).
     """
     if settings.max_kv_size is None:
         return None
+    if host_options.get("continuous_batching"):
+        return ("kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
+                "--continuous-batching: its batch cache (mlx-lm's BatchRotatingKVCache) keeps "
+                "no first tokens, so its answers would differ from the bounded cache every "
+                "other path uses (RotatingKVCache keeping the first 4, as mlx-lm's generate "
+                "does); use the default mode (without --continuous-batching) for a bounded cache")
     if host_options.get("kv_bits") is not None:
         return ("kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
                 "mlx-lm's --kv-bits: mlx-lm cannot quantize a rotating (bounded) cache")

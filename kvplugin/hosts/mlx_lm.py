@@ -60,6 +60,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from kvplugin.cache.fingerprint import model_fingerprint
+from kvplugin.cache.session import batch_honours_bound
 from kvplugin.hosts.base import (
     STATS_PATH,
     config_of,
@@ -319,13 +320,11 @@ class MlxLmAdapter(HostAdapter):
         """How mlx-lm's own batched path bounds (it is mlx-lm's class, not kvplugin's)."""
         if s.max_kv_size is not None:
             say(
-                f"--max-kv-size {s.max_kv_size}: sequential requests (a seed, images, a draft "
-                f"model, --kv-bits) get a pre-allocated rotating cache of exactly "
-                f"{s.max_kv_size} tokens that keeps the first 4; batched requests run in "
-                f"mlx-lm's BatchRotatingKVCache, which is bounded to {s.max_kv_size} tokens "
-                f"between prefill chunks (up to {s.max_kv_size} + --prefill-step-size - 1 "
-                f"while a chunk is processed), keeps no first tokens, and grows to the bound "
-                f"in one step",
+                f"--max-kv-size {s.max_kv_size}: every request gets a pre-allocated rotating "
+                f"cache of exactly {s.max_kv_size} tokens that keeps the first 4 (as mlx-lm's "
+                f"generate --max-kv-size does); mlx-lm's batched path (BatchRotatingKVCache) "
+                f"keeps no first tokens and would answer differently, so requests to a model "
+                f"with such layers are served one at a time (sequential path)",
                 key="mlx-lm:max-kv-batched",
             )
             say(
@@ -496,6 +495,12 @@ class MlxLmAdapter(HostAdapter):
             if problem is not None:
                 _unload(provider)
                 raise _StartupError(problem)
+            service = adapter.service
+            if (service is not None and service.settings.max_kv_size is not None
+                    and getattr(provider, "is_batchable", False)
+                    and not batch_honours_bound(
+                        adapter._server.make_prompt_cache(provider.model))):
+                provider.is_batchable = False  # same answers as the sequential path
             adapter._learn_model(provider.model)
             return result
 
