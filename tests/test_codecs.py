@@ -179,3 +179,13 @@ def test_session_hits_known_codec_and_misses_unknown(unknown):
     else:
         assert n == N and type(cache[0]) is KVCache
         assert _err(cache[0].keys, _layer().keys[..., :N, :]) < 0.15
+
+
+def test_bench_codec_specs_parse_and_reject_garbage():
+    from kvplugin.tools.bench.codec_quality import DEFAULT_CODECS, parse_codec
+
+    assert parse_codec("rotated-k4v3-g64-s4r32") == dict(
+        codec="rotated", bits=4, value_bits=3, group_size=64, sink_tokens=4, recent_tokens=32)
+    assert all(parse_codec(s)["codec"] in ("affine", "rotated") for s in DEFAULT_CODECS)
+    with pytest.raises(ValueError, match="CODEC-kKvV"):
+        parse_codec("turbo-k4")

@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.prompts):
         _one_prompt(model, ids[i * step :], args.prompt_tokens, args.continuation_tokens,
                     specs, acc)
-        print(f"prompt {i + 1}/{args.prompts} done", file=sys.stderr, flush=True)
+        print(f"prompt {i + 1}/{args.prompts} done: "
+              + ", ".join(f"{r['codec']} KL {r['mean_kl']:.2e} top1 {r['top1_agreement']:.4f}"
+                          for r in _rows(acc)), file=sys.stderr, flush=True)
     rows = _rows(acc)
     title = (f"SmolLM2-135M-Instruct fp32, {args.prompts} real-text windows of "
              f"{args.prompt_tokens} tokens, {args.continuation_tokens}-token continuations "
