@@ -189,3 +189,17 @@ def test_bench_codec_specs_parse_and_reject_garbage():
     assert all(parse_codec(s)["codec"] in ("affine", "rotated") for s in DEFAULT_CODECS)
     with pytest.raises(ValueError, match="CODEC-kKvV"):
         parse_codec("turbo-k4")
+
+
+@pytest.mark.parametrize("field,value,env", [
+    ("kv_cache_codec", "turbo", "KVPLUGIN_KV_CACHE_CODEC"),
+    ("kv_cache_key_bits", 7, "KVPLUGIN_KV_CACHE_KEY_BITS"),
+    ("kv_cache_value_bits", 1, "KVPLUGIN_KV_CACHE_VALUE_BITS"),
+    ("kv_cache_sink_tokens", -1, "KVPLUGIN_KV_CACHE_SINK_TOKENS"),
+])
+def test_bad_codec_options_name_flag_and_env(field, value, env):
+    from kvplugin.settings import SettingsError, resolve_settings
+
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(SettingsError, match=f"{flag} / {env}"):
+        resolve_settings({field: value})
