@@ -47,7 +47,13 @@ QUANTIZATION_DETAILS = (
     "kv_cache_quantization_bits",
     "kv_cache_quantization_group_size",
     "kv_cache_min_quantize_tokens",
+    "kv_cache_codec",
+    "kv_cache_key_bits",
+    "kv_cache_value_bits",
+    "kv_cache_sink_tokens",
+    "kv_cache_recent_tokens",
 )
+KV_CACHE_CODECS = ("affine", "rotated")  # kvplugin.cache.quantize.CODECS, without importing mlx
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 
@@ -111,6 +117,34 @@ class KVPluginSettings(BaseSettings):
         64,
         description="Quantization group size; must divide the model's head dimension.",
         json_schema_extra={"allowed": ", ".join(map(str, ALLOWED_GROUP_SIZES))},
+    )
+    kv_cache_codec: str = Field(
+        "affine",
+        description="Codec of quantized entries: affine (mlx per-token groups) or rotated "
+        "(a seeded Hadamard along head_dim before affine; power-of-two head dims, other "
+        "layers stay affine). See docs/benchmarks.md.",
+        json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},
+    )
+    kv_cache_key_bits: int | None = Field(
+        None,
+        description="Bits of quantized keys. Default: the quantization bits.",
+        json_schema_extra={"allowed": ", ".join(map(str, ALLOWED_BITS))},
+    )
+    kv_cache_value_bits: int | None = Field(
+        None,
+        description="Bits of quantized values. Default: the quantization bits.",
+        json_schema_extra={"allowed": ", ".join(map(str, ALLOWED_BITS))},
+    )
+    kv_cache_sink_tokens: int = Field(
+        0,
+        description="The first tokens of a quantized entry (attention sinks) kept at full "
+        "precision besides.",
+        json_schema_extra={"allowed": "an integer >= 0"},
+    )
+    kv_cache_recent_tokens: int = Field(
+        0,
+        description="The last tokens of a quantized entry kept at full precision besides.",
+        json_schema_extra={"allowed": "an integer >= 0"},
     )
     kv_cache_min_quantize_tokens: int = Field(
         256,
@@ -183,6 +217,20 @@ class KVPluginSettings(BaseSettings):
             raise ValueError("not an allowed bit width")
         return v
 
+    @field_validator("kv_cache_key_bits", "kv_cache_value_bits")
+    @classmethod
+    def _kv_bits(cls, v: int | None) -> int | None:
+        if v is not None and v not in ALLOWED_BITS:
+            raise ValueError("not an allowed bit width")
+        return v
+
+    @field_validator("kv_cache_codec")
+    @classmethod
+    def _codec(cls, v: str) -> str:
+        if v not in KV_CACHE_CODECS:
+            raise ValueError("not a known codec")
+        return v
+
     @field_validator("kv_cache_quantization_group_size")
     @classmethod
     def _group(cls, v: int) -> int:
@@ -190,7 +238,8 @@ class KVPluginSettings(BaseSettings):
             raise ValueError("not an allowed group size")
         return v
 
-    @field_validator("kv_cache_min_quantize_tokens")
+    @field_validator("kv_cache_min_quantize_tokens", "kv_cache_sink_tokens",
+                     "kv_cache_recent_tokens")
     @classmethod
     def _non_negative(cls, v: int) -> int:
         if v < 0:

@@ -33,6 +33,9 @@ __all__ = [
     "ALLOWED_BITS",
     "ALLOWED_GROUP_SIZES",
     "DTYPE_ATTR",
+    "CODECS",
+    "UnknownCodec",
+    "codec_name",
     "QuantizeResult",
     "validate_bits_group",
     "head_dim_of",
@@ -45,6 +48,23 @@ __all__ = [
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 DTYPE_ATTR = "kvplugin_dtype"
+# What a stored layer records about its codec (scalars: they ride along in the SSD file's
+# layer attributes, see kvplugin.cache.serialize). A layer without CODEC_ATTR is ``affine``.
+CODEC_ATTR = "kvplugin_codec"
+SEED_ATTR = "kvplugin_codec_seed"
+VALUE_BITS_ATTR = "kvplugin_value_bits"
+# Protected tokens: the first SINK_ATTR tokens and RECENT_ATTR tokens from RECENT_START_ATTR
+# on are kept at full precision as a 4th array of the keys/values tuples (sinks then recent),
+# and written over the dequantized rows. A later trim shortens w/scales/biases only; rows
+# past the offset are then simply not copied back.
+SINK_ATTR = "kvplugin_sink_tokens"
+RECENT_ATTR = "kvplugin_recent_tokens"
+RECENT_START_ATTR = "kvplugin_recent_start"
+CODECS = ("affine", "rotated")
+
+
+class UnknownCodec(ValueError):
+    """A stored layer names a codec (or parameters) this kvplugin cannot decode: a miss."""
 
 
 @dataclass
@@ -168,21 +188,67 @@ def validate_group_size_for_model(model: Any, group_size: int) -> list[str]:
     )
 
 
-def _quantize_layer(layer: KVCache, bits: int, group_size: int) -> QuantizedKVCache:
+def _protected(x: mx.array, sink: int, start: int) -> mx.array:
+    return mx.concatenate([x[..., :sink, :], x[..., start:, :]], axis=-2)
+
+
+def _quantize_layer(
+    layer: KVCache,
+    bits: int,
+    group_size: int,
+    codec: str = "affine",
+    value_bits: int | None = None,
+    sink: int = 0,
+    recent: int = 0,
+) -> QuantizedKVCache:
+    """``bits`` are the keys' (``layer.bits``); values use ``value_bits`` (recorded when they
+    differ). ``rotated`` needs power-of-two widths; a layer without them is stored ``affine``
+    (recorded as such, so it is read back right). ``sink``/``recent`` tokens are kept at
+    full precision besides (their quantized rows stay too: exact-size arrays, simple trims)."""
+    from kvplugin.cache import rotation
+
     n = layer.offset
     keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
+    vbits = bits if value_bits is None else value_bits
+    if codec == "rotated" and not (
+        rotation.rotatable(keys.shape[-1]) and rotation.rotatable(values.shape[-1])
+    ):
+        codec = "affine"
     q = QuantizedKVCache(group_size=group_size, bits=bits)
+    if codec == "rotated":
+        keys, values = rotation.rotate(keys), rotation.rotate(values)
+        setattr(q, SEED_ATTR, rotation.CODEC_SEED)
     q.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
-    q.values = tuple(mx.quantize(values, group_size=group_size, bits=bits))
+    q.values = tuple(mx.quantize(values, group_size=group_size, bits=vbits))
+    sink = min(sink, n)
+    start = max(sink, n - recent)
+    if sink or start < n:
+        k0, v0 = layer.keys[..., :n, :], layer.values[..., :n, :]
+        q.keys += (_protected(k0, sink, start),)
+        q.values += (_protected(v0, sink, start),)
+        setattr(q, SINK_ATTR, sink)
+        setattr(q, RECENT_START_ATTR, start)
+        setattr(q, RECENT_ATTR, n - start)
     q.offset = n
     setattr(q, DTYPE_ATTR, _dtype_name(keys.dtype))
+    setattr(q, CODEC_ATTR, codec)
+    if vbits != bits:
+        setattr(q, VALUE_BITS_ATTR, vbits)
     if "step" in vars(layer):  # a configured growth step keeps applying after reuse
         q.step = layer.step
     return q
 
 
 def quantize_entry(
-    cache: list, *, bits: int, group_size: int, consume: bool = False
+    cache: list,
+    *,
+    bits: int,
+    group_size: int,
+    consume: bool = False,
+    codec: str = "affine",
+    value_bits: int | None = None,
+    sink_tokens: int = 0,
+    recent_tokens: int = 0,
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
@@ -196,6 +262,10 @@ def quantize_entry(
     full-precision entry is freed layer by layer (transient: one layer, not one entry).
     """
     validate_bits_group(bits, group_size)
+    if value_bits is not None:
+        validate_bits_group(value_bits, group_size)
+    if codec not in CODECS:
+        raise ValueError(f"unknown KV cache codec {codec!r}; one of {', '.join(CODECS)}")
     out = cache if consume else list(cache)
     quantized = skipped = 0
     from kvplugin.cache.quantize_rotating import is_rotating_quantizable, quantize_rotating
@@ -209,9 +279,11 @@ def quantize_entry(
                 quantized += 1
             continue
         if is_quantizable(layer, group_size):
-            q = _quantize_layer(layer, bits, group_size)
+            q = _quantize_layer(
+                layer, bits, group_size, codec, value_bits, sink_tokens, recent_tokens
+            )
         elif is_rotating_quantizable(layer, group_size):
-            q = quantize_rotating(layer, bits, group_size)
+            q = quantize_rotating(layer, bits, group_size)  # affine, key bits: windows are short
         else:
             skipped += 1
             continue
@@ -251,9 +323,58 @@ def _original_dtype(layer: QuantizedKVCache) -> Any:
 
 
 def _dequantize(parts: Any, n: int, group_size: int, bits: int, dtype: Any) -> mx.array:
-    w, scales, biases = (x[..., :n, :] for x in parts)
+    w, scales, biases = (x[..., :n, :] for x in parts[:3])
     out = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
     return out if out.dtype == dtype else out.astype(dtype)
+
+
+def _restore_protected(out: mx.array, parts: Any, layer: Any, n: int) -> mx.array:
+    """Write the full-precision sink/recent rows (those still below ``n``) over ``out``."""
+    if len(parts) < 4:
+        return out
+    kept, sink = parts[3], getattr(layer, SINK_ATTR)
+    start, recent = getattr(layer, RECENT_START_ATTR), getattr(layer, RECENT_ATTR)
+    s = min(sink, n)
+    if s:
+        out[..., :s, :] = kept[..., :s, :].astype(out.dtype)
+    stop = min(start + recent, n)
+    if stop > start:
+        out[..., start:stop, :] = kept[..., sink : sink + stop - start, :].astype(out.dtype)
+    return out
+
+
+def _codec_of(layer: Any) -> tuple[str, int]:
+    """The layer's recorded codec and seed; :class:`UnknownCodec` for anything else, so that
+    an entry from another kvplugin version is a miss, never misread."""
+    codec = getattr(layer, CODEC_ATTR, "affine")
+    if codec not in CODECS:
+        raise UnknownCodec(f"stored layer has unknown codec {codec!r}")
+    vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
+    if vbits not in ALLOWED_BITS:
+        raise UnknownCodec(f"stored layer has unknown value bits {vbits!r}")
+    seed = getattr(layer, SEED_ATTR, None)
+    if codec == "rotated" and not _is_int(seed):
+        raise UnknownCodec("rotated layer without an integer seed")
+    parts = len(layer.keys) if isinstance(layer.keys, (tuple, list)) else 3
+    if parts == 4:
+        vals = [getattr(layer, a, None) for a in (SINK_ATTR, RECENT_START_ATTR, RECENT_ATTR)]
+        if not all(_is_int(v) and v >= 0 for v in vals) or (
+            layer.keys[3].shape[-2] != vals[0] + vals[2]
+        ):
+            raise UnknownCodec("protected tokens without a consistent record")
+    elif parts != 3:
+        raise UnknownCodec(f"stored layer has {parts} key arrays")
+    return codec, seed if _is_int(seed) else 0
+
+
+def codec_name(layer: Any) -> str:
+    """A stored layer's codec for the per-codec byte counters, e.g. ``rotated-k4v4``."""
+    codec = getattr(layer, CODEC_ATTR, "affine")
+    kbits = getattr(layer, "bits", None)
+    vbits = getattr(layer, VALUE_BITS_ATTR, kbits)
+    sink, recent = getattr(layer, SINK_ATTR, 0), getattr(layer, RECENT_ATTR, 0)
+    extra = f"-s{sink}r{recent}" if sink or recent else ""
+    return f"{codec}-k{kbits}v{vbits}{extra}"
 
 
 def dequantize_entry(cache: list, *, consume: bool = False) -> list:
@@ -264,9 +385,15 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
     layers from mlx-lm's ``--kv-bits`` are ``QuantizedKVCache`` too). Each layer is evaluated
     as it is made; with ``consume`` it replaces the quantized layer in ``cache`` at once, so
     the transient is one layer rather than the whole quantized entry.
+
+    Raises :class:`UnknownCodec` (before changing anything) when a layer records a codec this
+    version does not know: the caller treats the entry as a miss.
     """
     from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, dequantize_rotating
 
+    for layer in cache:
+        if type(layer) is QuantizedKVCache:
+            _codec_of(layer)
     out = cache if consume else list(cache)
     for i, layer in enumerate(cache):
         if type(layer) is CacheList:
@@ -282,10 +409,18 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
         kv = KVCache()
         if "step" in vars(layer):
             kv.step = layer.step
+        codec, seed = _codec_of(layer)
         if layer.keys is not None and layer.offset > 0:
             n, dtype = layer.offset, _original_dtype(layer)
+            vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
             kv.keys = _dequantize(layer.keys, n, layer.group_size, layer.bits, dtype)
-            kv.values = _dequantize(layer.values, n, layer.group_size, layer.bits, dtype)
+            kv.values = _dequantize(layer.values, n, layer.group_size, vbits, dtype)
+            if codec == "rotated":
+                from kvplugin.cache.rotation import unrotate
+
+                kv.keys, kv.values = unrotate(kv.keys, seed), unrotate(kv.values, seed)
+            kv.keys = _restore_protected(kv.keys, layer.keys, layer, n)
+            kv.values = _restore_protected(kv.values, layer.values, layer, n)
             kv.offset = n
             mx.eval(kv.keys, kv.values)
         out[i] = kv

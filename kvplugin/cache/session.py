@@ -71,6 +71,15 @@ class Counters:
         return self.bytes_before - self.bytes_stored
 
 
+def _entry_codec(entry: list) -> str:
+    """``"full"`` for an entry stored at full precision, else its layers' codec names
+    (``rotated-k4v4``; several joined by ``+`` when layers differ)."""
+    from kvplugin.cache.quantize import codec_name
+
+    names = sorted({codec_name(layer) for layer in entry if layer_bits(layer) is not None})
+    return "+".join(names) if names else "full"
+
+
 class _ShutdownOnlyTier:
     """A cold tier written only when the host persists (shut-down), read at any time.
 
@@ -148,6 +157,7 @@ class KVService:
         # id(model) -> (weak reference to the model, its layer reference): never keeps a
         # model the host unloaded alive
         self._references: dict[int, tuple[Any, Any]] = {}
+        self._bytes_by_codec: dict[str, int] = {}
         cold = None if settings.hot_cache_only else hook.kvplugin_store_backend(settings=settings)
         self.store = PromptStore(
             max_bytes=max_bytes if max_bytes is not None else _UNLIMITED,
@@ -216,6 +226,8 @@ class KVService:
             self.counters.entries_stored += 1
             self.counters.bytes_before += before
             self.counters.bytes_stored += after
+            codec = _entry_codec(entry)
+            self._bytes_by_codec[codec] = self._bytes_by_codec.get(codec, 0) + after
             if quantized is not None:
                 self.counters.entries_quantized += 1
         return entry
@@ -343,8 +355,15 @@ class KVService:
             self._event("miss", len(tokens))
             log.debug("prompt cache miss: %d prompt tokens", len(tokens))
             return None, 0
+        from kvplugin.cache.quantize import UnknownCodec  # mlx is loaded by now: a hit
+
         quantized = sum(layer_bits(layer) is not None for layer in cache)
-        restored = self.restore_precision(cache)  # may change `cache` in place
+        try:
+            restored = self.restore_precision(cache)  # may change `cache` in place
+        except UnknownCodec as e:  # written by another kvplugin version: a miss, never misread
+            log.warning("kvplugin: stored entry not used (%s); treated as a miss", e)
+            self._event("miss", len(tokens))
+            return None, 0
         if sum(layer_bits(layer) is not None for layer in restored) < quantized:
             self._event("dequantize", n, restored)
         self._event("fetch", n, restored)
@@ -506,13 +525,17 @@ class KVService:
             out: dict[str, Any] = asdict(self.counters)
             out["bytes_saved"] = self.counters.bytes_saved
             out["rejected_by_kind"] = dict(self._rejected_by_kind)
+            out["bytes_stored_by_codec"] = dict(self._bytes_by_codec)
         store = asdict(store_stats if store_stats is not None else self.store.stats())
         out.update({f"store_{k}": v for k, v in store.items()})
         s = self.settings
         out["quantization"] = (
             {"bits": s.kv_cache_quantization_bits,
              "group_size": s.kv_cache_quantization_group_size,
-             "min_tokens": s.kv_cache_min_quantize_tokens}
+             "min_tokens": s.kv_cache_min_quantize_tokens,
+             "codec": s.kv_cache_codec,
+             "key_bits": s.kv_cache_key_bits or s.kv_cache_quantization_bits,
+             "value_bits": s.kv_cache_value_bits or s.kv_cache_quantization_bits}
             if s.kv_cache_quantization else None
         )
         tier = self._cold_tier_stats()

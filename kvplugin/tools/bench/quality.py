@@ -296,11 +296,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a seconds-long model and tiny evaluation (for tests)")
     p.add_argument("--no-plots", dest="plots", action="store_false")
+    p.add_argument("--real-model", action="store_true",
+                   help="codecs on SmolLM2-135M and real text instead "
+                   "(kvplugin.tools.bench.codec_quality; its own options)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--real-model" in argv:  # codecs on SmolLM2: kvplugin.tools.bench.codec_quality
+        from kvplugin.tools.bench import codec_quality
+
+        return codec_quality.main(argv)
     args = build_parser().parse_args(argv)
     try:
         import mlx.core as mx

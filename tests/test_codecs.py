@@ -1,0 +1,205 @@
+"""Codecs of stored entries: rotated (seeded Hadamard), K/V-asymmetric bits, protected
+sink/recent tokens; the codec recorded on the layer, round-tripped through the SSD tier, and
+an unknown codec being a miss."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from kvplugin.cache import rotation
+from kvplugin.cache.layers import entry_nbytes
+from kvplugin.cache.quantize import (
+    CODEC_ATTR,
+    SEED_ATTR,
+    UnknownCodec,
+    VALUE_BITS_ATTR,
+    codec_name,
+    dequantize_entry,
+    quantize_entry,
+)
+from kvplugin.cache.serialize import deserialize_cache, serialize_cache
+from kvplugin.cache.tiers.ssd import SSDTier
+
+H, D, N = 2, 64, 300
+
+
+def _layer(seed: int = 0, n: int = N, outliers: bool = True) -> KVCache:
+    k = mx.random.normal((1, H, n, D), key=mx.random.key(seed))
+    if outliers:  # real keys have a few large channels: what rotation is for
+        k = k * mx.array(np.where(np.arange(D) % 16 == 3, 20.0, 1.0).astype(np.float32))
+    v = mx.random.normal((1, H, n, D), key=mx.random.key(seed + 1))
+    c = KVCache()
+    c.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16))
+    mx.eval(c.keys, c.values)
+    return c
+
+
+def _err(a: mx.array, b: mx.array) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return float(mx.sqrt(mx.sum((a - b) ** 2)) / mx.sqrt(mx.sum(b**2)))
+
+
+def test_rotation_is_orthogonal_seeded_and_needs_power_of_two():
+    r = np.array(rotation.rotation(64, 1))
+    assert np.allclose(r @ r.T, np.eye(64), atol=1e-5)
+    assert not np.allclose(r, np.array(rotation.rotation(64, 2)))
+    x = mx.random.normal((3, 64), key=mx.random.key(3))
+    assert _err(rotation.unrotate(rotation.rotate(x, 5), 5), x) < 1e-5
+    with pytest.raises(ValueError, match="power-of-two"):
+        rotation.rotation(96)
+
+
+@pytest.mark.parametrize("codec", ["affine", "rotated"])
+@pytest.mark.parametrize("kbits,vbits", [(8, 8), (4, 4), (8, 4), (5, 4)])
+def test_round_trip_records_codec_and_restores_dtype(codec, kbits, vbits):
+    src = _layer()
+    res = quantize_entry([src], bits=kbits, value_bits=vbits, group_size=64, codec=codec)
+    q = res.cache[0]
+    assert type(q) is QuantizedKVCache and getattr(q, CODEC_ATTR) == codec
+    assert q.bits == kbits and getattr(q, VALUE_BITS_ATTR, kbits) == vbits
+    assert codec_name(q) == f"{codec}-k{kbits}v{vbits}"
+    back = dequantize_entry(res.cache)[0]
+    assert type(back) is KVCache and back.keys.dtype == mx.float16 and back.offset == N
+    tol = {8: 0.02, 5: 0.08, 4: 0.2}
+    key_tol = tol[kbits] * (2 if codec == "affine" else 1)  # outlier channels cost affine
+    assert _err(back.keys, src.keys[..., :N, :]) < key_tol
+    assert _err(back.values, src.values[..., :N, :]) < tol[vbits]
+
+
+def test_rotation_lowers_key_error_on_outlier_channels():
+    src = _layer()
+    errs = {}
+    for codec in ("affine", "rotated"):
+        back = dequantize_entry(quantize_entry([src], bits=4, group_size=64, codec=codec).cache)
+        errs[codec] = _err(back[0].keys, src.keys[..., :N, :])
+    assert errs["rotated"] < 0.6 * errs["affine"], errs
+
+
+def test_asymmetric_bits_store_fewer_bytes():
+    sizes = {
+        (k, v): entry_nbytes(quantize_entry([_layer()], bits=k, value_bits=v, group_size=64).cache)
+        for k, v in [(8, 8), (8, 4), (4, 4)]
+    }
+    assert sizes[(8, 8)] > sizes[(8, 4)] > sizes[(4, 4)]
+
+
+def test_protected_tokens_come_back_exact_and_survive_a_trim():
+    src = _layer()
+    res = quantize_entry([src], bits=4, group_size=64, codec="rotated", sink_tokens=4,
+                         recent_tokens=32)
+    q = res.cache[0]
+    assert codec_name(q) == "rotated-k4v4-s4r32" and len(q.keys) == 4
+    back = dequantize_entry([q])[0]
+    k0 = src.keys[..., :N, :]
+    assert mx.array_equal(back.keys[..., :4, :], k0[..., :4, :])
+    assert mx.array_equal(back.keys[..., N - 32 :, :], k0[..., N - 32 :, :])
+    assert not mx.array_equal(back.keys[..., 4:N - 32, :], k0[..., 4:N - 32, :])
+    # a shorter prefix of the stored entry (the store trims to the reused length)
+    q.offset = N - 10
+    short = dequantize_entry([q])[0]
+    assert short.offset == N - 10
+    assert mx.array_equal(short.keys[..., N - 32 : N - 10, :], k0[..., N - 32 : N - 10, :])
+    assert mx.array_equal(short.values[..., :4, :], src.values[..., :4, :])
+
+
+def test_rotated_falls_back_to_affine_for_non_power_of_two_width():
+    c = KVCache()
+    k = mx.random.normal((1, H, N, 96)).astype(mx.float16)
+    c.update_and_fetch(k, k)
+    q = quantize_entry([c], bits=4, group_size=32, codec="rotated").cache[0]
+    assert getattr(q, CODEC_ATTR) == "affine" and not hasattr(q, SEED_ATTR)
+
+
+def test_codec_metadata_round_trips_through_serialize():
+    q = quantize_entry([_layer()], bits=5, value_bits=4, group_size=64, codec="rotated",
+                       sink_tokens=4, recent_tokens=16).cache
+    arrays, layers = serialize_cache(q)
+    back = deserialize_cache(arrays, layers)
+    for a in (CODEC_ATTR, SEED_ATTR, VALUE_BITS_ATTR):
+        assert getattr(back[0], a) == getattr(q[0], a)
+    want, got = dequantize_entry(q), dequantize_entry(back)
+    assert mx.array_equal(want[0].keys, got[0].keys)
+    assert mx.array_equal(want[0].values, got[0].values)
+
+
+def _stored(tmp_path, codec_value):
+    """An entry through a real SSD tier, its recorded codec set to ``codec_value``."""
+    tier = SSDTier(tmp_path / "ssd", max_bytes=1 << 30)
+    q = quantize_entry([_layer()], bits=4, group_size=64, codec="rotated").cache
+    setattr(q[0], CODEC_ATTR, codec_value)
+    tokens = list(range(N))
+    assert tier.put("m", tokens, q)
+    got = tier.fetch("m", tokens + [7])
+    assert got is not None
+    return got[0]
+
+
+def test_ssd_tier_round_trips_codec(tmp_path):
+    cache = _stored(tmp_path, "rotated")
+    assert getattr(cache[0], CODEC_ATTR) == "rotated"
+    back = dequantize_entry(cache)
+    assert _err(back[0].keys, _layer().keys[..., :N, :]) < 0.15
+
+
+def test_unknown_codec_is_refused_not_misread(tmp_path):
+    cache = _stored(tmp_path, "turboquant-v9")
+    with pytest.raises(UnknownCodec, match="turboquant-v9"):
+        dequantize_entry(cache)
+    assert type(cache[0]) is QuantizedKVCache  # nothing changed
+
+
+def _service(**flags):
+    from kvplugin import plugins
+    from kvplugin.cache.session import KVService
+    from kvplugin.settings import resolve_settings
+
+    pm = plugins.create_plugin_manager(load_entry_points=False)
+    return KVService(resolve_settings(flags), host="test", hook=pm.hook, max_bytes=1 << 40)
+
+
+@pytest.mark.parametrize("unknown", [False, True])
+def test_session_hits_known_codec_and_misses_unknown(unknown):
+    s = _service(kv_cache_quantization_bits=4, kv_cache_codec="rotated",
+                 kv_cache_value_bits=8, kv_cache_min_quantize_tokens=0)
+    tokens = list(range(N))
+    assert s.insert("m", tokens, [_layer()])
+    stats = s.stats()
+    assert stats["bytes_stored_by_codec"] == {"rotated-k4v8": stats["bytes_stored"]}
+    assert stats["quantization"]["codec"] == "rotated"
+    assert stats["quantization"]["value_bits"] == 8
+    if unknown:
+        [entry] = s.store.entries()
+        setattr(entry.cache[0], CODEC_ATTR, "from-a-newer-kvplugin")
+    cache, n = s.fetch("m", tokens + [1])
+    if unknown:
+        assert cache is None and n == 0
+    else:
+        assert n == N and type(cache[0]) is KVCache
+        assert _err(cache[0].keys, _layer().keys[..., :N, :]) < 0.15
+
+
+def test_bench_codec_specs_parse_and_reject_garbage():
+    from kvplugin.tools.bench.codec_quality import DEFAULT_CODECS, parse_codec
+
+    assert parse_codec("rotated-k4v3-g64-s4r32") == dict(
+        codec="rotated", bits=4, value_bits=3, group_size=64, sink_tokens=4, recent_tokens=32)
+    assert all(parse_codec(s)["codec"] in ("affine", "rotated") for s in DEFAULT_CODECS)
+    with pytest.raises(ValueError, match="CODEC-kKvV"):
+        parse_codec("turbo-k4")
+
+
+@pytest.mark.parametrize("field,value,env", [
+    ("kv_cache_codec", "turbo", "KVPLUGIN_KV_CACHE_CODEC"),
+    ("kv_cache_key_bits", 7, "KVPLUGIN_KV_CACHE_KEY_BITS"),
+    ("kv_cache_value_bits", 1, "KVPLUGIN_KV_CACHE_VALUE_BITS"),
+    ("kv_cache_sink_tokens", -1, "KVPLUGIN_KV_CACHE_SINK_TOKENS"),
+])
+def test_bad_codec_options_name_flag_and_env(field, value, env):
+    from kvplugin.settings import SettingsError, resolve_settings
+
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(SettingsError, match=f"{flag} / {env}"):
+        resolve_settings({field: value})
