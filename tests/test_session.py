@@ -12,7 +12,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvplugin import plugins
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
-from kvplugin.cache.session import KVService, host_option_conflict, model_problem
+from kvplugin.cache.checks import host_option_conflict, model_problem
+from kvplugin.cache.session import KVService
 from kvplugin.hookspecs import hookimpl
 from kvplugin.settings import SettingsError, resolve_settings
 
@@ -222,7 +223,7 @@ def test_batch_honours_bound_only_without_kept_tokens():
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
-    from kvplugin.cache.session import batch_honours_bound
+    from kvplugin.cache.checks import batch_honours_bound
 
     assert batch_honours_bound([KVCache(), RotatingKVCache(128, 0)])
     assert not batch_honours_bound([PreallocatedRotatingKVCache(64, 4), KVCache()])

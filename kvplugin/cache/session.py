@@ -12,8 +12,8 @@ and applies the answer in the host's own terms. What is decided here, once for e
   through the same backend hook, on the host's directory;
 * what an entry is keyed by, trimmed and quantized to (:meth:`~KVService.give_back`);
 * batch growth steps (:meth:`~KVService.batch_steps`);
-* the model check (:func:`model_problem`) and the host options kvplugin cannot serve with
-  (:func:`host_option_conflict`), each with one message naming flag and variable;
+* (the start-up checks hosts run before a session exists live in
+  :mod:`kvplugin.cache.checks`);
 * the one ``active`` line (:meth:`~KVService.active_line`) and the report/stats.
 
 The hook relay (``pm.hook``) is passed in: the engine never imports the plugin manager.
@@ -25,22 +25,20 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-from mlx_lm.models.cache import RotatingKVCache
 
 from kvplugin.cache.layers import dense_nbytes, entry_nbytes, entry_tokens, layer_bits
 from kvplugin.cache.prealloc import rewind_decode
 from kvplugin.cache.pressure import AdmissionControl
 from kvplugin.cache.release import mlx_memory
 from kvplugin.cache.store import PromptStore
-from kvplugin.settings import KVPluginSettings, option_info
+from kvplugin.cache.validate import ModelChecker
+from kvplugin.settings import KVPluginSettings
 
-__all__ = ["Counters", "KVService", "describe_entry", "host_option_conflict", "model_problem",
-           "persist_dir", "store_key", "unpatched_problem"]
+__all__ = ["Counters", "KVService", "describe_entry", "persist_dir", "store_key"]
 
 log = logging.getLogger("kvplugin")
 
@@ -154,9 +152,7 @@ class KVService:
         # with one of them holds that prompt plus generated tokens (see _prompt_len).
         self._recent_prompts: deque[tuple[int, int]] = deque(maxlen=64)
         self._rejected_by_kind: dict[str, int] = {}
-        # id(model) -> (weak reference to the model, its layer reference): never keeps a
-        # model the host unloaded alive
-        self._references: dict[int, tuple[Any, Any]] = {}
+        self._checker = ModelChecker()
         self._bytes_by_codec: dict[str, int] = {}
         cold = None if settings.hot_cache_only else hook.kvplugin_store_backend(settings=settings)
         self.store = PromptStore(
@@ -373,43 +369,19 @@ class KVService:
         return restored, n
 
     def _fits(self, model: Any, entry: list) -> bool:
-        """Does ``entry`` fit ``model``? The reference is computed once per model (a one-token
-        forward pass); a model whose reference cannot be computed is not checked."""
-        from kvplugin.cache.validate import entry_problem, reference_of
-        from kvplugin.log import say
-
-        with self._lock:
-            held = self._references.get(id(model))
-        if held is None or held[0]() is not model:
-            try:
-                ref = reference_of(model)
-            except Exception as exc:  # an exotic model: say so once, serve as before
-                say(f"cannot check fetched entries against {type(model).__module__} "
-                    f"({type(exc).__name__}: {exc})", key=f"validate-ref:{type(model)}")
-                ref = None
-            import weakref
-
-            try:
-                alive = weakref.ref(model)
-            except TypeError:
-                alive = lambda: model  # noqa: E731  (no weak references: keep it)
-            with self._lock:
-                self._references = {k: v for k, v in self._references.items()
-                                    if v[0]() is not None}
-                self._references[id(model)] = held = (alive, ref)
-        if held[1] is None:
-            return True
-        try:
-            problem = entry_problem(entry, held[1])
-        except Exception as exc:  # data too odd to even compare is not used either
-            problem = f"{type(exc).__name__}: {exc}"
+        """Does ``entry`` fit ``model``? A misfit is counted and said once per model."""
+        problem = self._checker.problem(model, entry)
         if problem is None:
             return True
         with self._lock:
             self.counters.entries_invalid += 1
+        from kvplugin.log import say
+
         say(f"a stored entry does not fit the model and was not used: {problem} (said once "
-            f"per model; every one is counted in entries_invalid)", key=f"invalid:{id(held)}")
+            f"per model; every one is counted in entries_invalid)",
+            key=f"invalid:{id(model)}")
         return False
+
     #: ``(bits, group_size, start)`` of the host's quantized live caches (mlx-lm
     #: ``--kv-bits``), set by the host adapter; None: the host runs full-precision caches.
     live_quantization: tuple[int, int, int] | None = None
@@ -606,81 +578,6 @@ class KVService:
                 f"{cold}; stats: GET {stats_path})")
 
 
-# --------------------------------------------------------------------------- start-up checks
-
-_GROUP_FIELD = "kv_cache_quantization_group_size"
-
-
-def model_problem(model: Any, settings: KVPluginSettings | None,
-                  given_flags: Collection[str] = ()) -> str | None:
-    """Why kvplugin cannot serve ``model`` with ``settings`` (one message), or ``None``.
-
-    ``model`` is a loaded model or a ``{"args": config.json}`` dict (checked before the
-    weights load). ``given_flags``: setting fields given as flags, so the message names
-    where the bad value came from (flag, variable or default).
-    """
-    if settings is None or not settings.kv_cache_quantization or model is None:
-        return None
-    from kvplugin.cache.quantize import validate_group_size_for_model
-
-    group = settings.kv_cache_quantization_group_size
-    try:
-        left = validate_group_size_for_model(model, group)
-        if left:
-            from kvplugin.log import say
-
-            say(f"--kv-cache-quantization-group-size {group} does not divide the cache's "
-                f"{', '.join(left)}: those stay full precision, the rest is quantized",
-                key=f"group-partial:{group}:{left}")
-    except ValueError as exc:
-        info = option_info(_GROUP_FIELD)
-        if _GROUP_FIELD in given_flags:
-            got = f"{info.flag} {group}"
-        elif os.environ.get(info.env):
-            got = f"{info.env}={os.environ[info.env]}"
-        else:
-            got = f"the default {group}"
-        return (
-            f"kvplugin: invalid value for {info.flag} / {info.env}: got {got} ({exc}); "
-            f"the server cannot quantize this model's KV cache"
-        )
-    return None
-
-
-def batch_honours_bound(cache: list) -> bool:
-    """Whether mlx-lm's batched path serves this fresh (bounded) cache with the same answers.
-
-    Its ``BatchRotatingKVCache`` keeps no first tokens, so a layer bounded with ``keep > 0``
-    (mlx-lm's own ``generate --max-kv-size`` keeps 4) would answer differently batched than
-    sequentially. Such a model is served sequentially, as mlx-lm serves ``--kv-bits``.
-    """
-    return not any(isinstance(c, RotatingKVCache) and c.keep > 0 for c in cache)
-
-
-def host_option_conflict(settings: KVPluginSettings, host_options: Mapping[str, Any]) -> str | None:
-    """A host option kvplugin's settings cannot be served with (one message), or ``None``.
-
-    ``host_options``: the host's parsed values by name (``kv_bits``, ``draft_model``,
-    ``continuous_batching``).
-    """
-    if settings.max_kv_size is None:
-        return None
-    if host_options.get("continuous_batching"):
-        return ("kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
-                "--continuous-batching: its batch cache (mlx-lm's BatchRotatingKVCache) keeps "
-                "no first tokens, so its answers would differ from the bounded cache every "
-                "other path uses (RotatingKVCache keeping the first 4, as mlx-lm's generate "
-                "does); use the default mode (without --continuous-batching) for a bounded cache")
-    if host_options.get("kv_bits") is not None:
-        return ("kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
-                "mlx-lm's --kv-bits: mlx-lm cannot quantize a rotating (bounded) cache")
-    if host_options.get("draft_model"):
-        return ("kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
-                "--draft-model: speculative decoding trims the cache, and a bounded cache "
-                "cannot be trimmed once it is full")
-    return None
-
-
 def describe_entry(model_key: Any, tokens: Sequence[int], cache: list, nbytes: int) -> dict:
     """One stored entry as JSON-able data (``/kvplugin/stats`` of every host)."""
     return {
@@ -715,18 +612,3 @@ def persist_dir(host_dir: str | os.PathLike) -> Path:
     """Where kvplugin persists under a host's prefix-cache directory: a subdirectory of its
     own, so kvplugin's files never mix with the host's (each would misread the other's)."""
     return Path(host_dir).expanduser() / PERSIST_SUBDIR
-
-
-def unpatched_problem(settings: Any, host: str) -> str | None:
-    """Why the host must not start when kvplugin could not patch its serving path, or None.
-
-    Serving stock is acceptable (the user gets the host's own cache) except under
-    ``--hot-cache-only``: a stock host would write its prompt cache to disk, the one thing
-    that flag promises will not happen. Fail closed.
-    """
-    if settings is not None and settings.hot_cache_only:
-        return (
-            "kvplugin: --hot-cache-only (KVPLUGIN_HOT_CACHE_ONLY) cannot be honoured "
-            f"because kvplugin could not patch {host} (see above); not starting"
-        )
-    return None

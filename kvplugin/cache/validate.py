@@ -20,6 +20,8 @@ the same kind, recursively.
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +29,7 @@ import mlx.core as mx
 
 from kvplugin.cache.layers import layout_of
 
-__all__ = ["Reference", "entry_problem", "reference_of"]
+__all__ = ["ModelChecker", "Reference", "entry_problem", "reference_of"]
 
 log = logging.getLogger("kvplugin.cache")
 
@@ -170,3 +172,46 @@ def entry_problem(entry: list, reference: list[Reference]) -> str | None:
         if problem:
             return problem
     return None
+
+
+class ModelChecker:
+    """Entries checked against the models a process serves: each model's reference is
+    computed once (a one-token forward pass) and held by a weak reference, so a model the
+    host unloads is never kept alive. A model whose reference cannot be computed is said once
+    and not checked (served as before)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._references: dict[int, tuple[Any, Any]] = {}
+
+    def _reference(self, model: Any) -> Any:
+        with self._lock:
+            held = self._references.get(id(model))
+        if held is not None and held[0]() is model:
+            return held[1]
+        try:
+            ref = reference_of(model)
+        except Exception as exc:  # an exotic model: say so once, serve as before
+            from kvplugin.log import say
+
+            say(f"cannot check fetched entries against {type(model).__module__} "
+                f"({type(exc).__name__}: {exc})", key=f"validate-ref:{type(model)}")
+            ref = None
+        try:
+            alive = weakref.ref(model)
+        except TypeError:
+            alive = lambda: model  # noqa: E731  (no weak references: keep it)
+        with self._lock:
+            self._references = {k: v for k, v in self._references.items() if v[0]() is not None}
+            self._references[id(model)] = (alive, ref)
+        return ref
+
+    def problem(self, model: Any, entry: list) -> str | None:
+        """Why ``entry`` does not fit ``model``, or None (also when it cannot be checked)."""
+        ref = self._reference(model)
+        if ref is None:
+            return None
+        try:
+            return entry_problem(entry, ref)
+        except Exception as exc:  # data too odd to even compare is not used either
+            return f"{type(exc).__name__}: {exc}"

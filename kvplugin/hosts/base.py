@@ -197,7 +197,7 @@ class HostAdapter:
 
     def model_problem(self, model: Any, settings: Any, given_flags: Any = ()) -> str | None:
         """The session's model check (group size vs head dimension), one message."""
-        from kvplugin.cache.session import model_problem
+        from kvplugin.cache.checks import model_problem
 
         return model_problem(model, settings, given_flags)
 

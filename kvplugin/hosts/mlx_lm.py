@@ -60,7 +60,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from kvplugin.cache.fingerprint import model_fingerprint
-from kvplugin.cache.session import batch_honours_bound
+from kvplugin.cache.checks import batch_honours_bound
 from kvplugin.hosts.base import (
     STATS_PATH,
     config_of,
@@ -377,7 +377,7 @@ class MlxLmAdapter(HostAdapter):
             settings = settings_from_namespace(parser, ns)
         except SettingsError as err:
             parser.error(str(err))
-        from kvplugin.cache.session import host_option_conflict
+        from kvplugin.cache.checks import host_option_conflict
 
         conflict = host_option_conflict(settings, {
             "kv_bits": getattr(ns, "kv_bits", None),

@@ -179,7 +179,7 @@ class VllmMlxAdapter(HostAdapter):
         rt.settings = settings
         rt.model_id = getattr(args, "model", None)
         rt.mode = "batching" if getattr(args, "continuous_batching", False) else "simple"
-        from kvplugin.cache.session import host_option_conflict  # lazy: mlx loads with it
+        from kvplugin.cache.checks import host_option_conflict  # lazy: mlx loads with it
 
         conflict = host_option_conflict(settings, {"continuous_batching": rt.mode == "batching"})
         if conflict is not None:
@@ -188,7 +188,7 @@ class VllmMlxAdapter(HostAdapter):
         if self.install_serving(args, settings):
             announce(self, args, settings)
             return
-        from kvplugin.cache.session import unpatched_problem  # lazy: mlx loads with the engine
+        from kvplugin.cache.checks import unpatched_problem  # lazy: mlx loads with the engine
 
         problem = unpatched_problem(settings, self.name)
         if problem is not None:
