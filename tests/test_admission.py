@@ -207,3 +207,20 @@ def test_off_admits_everything_and_never_calls_the_hook(model):
     assert service.admission.admit(1, model, prompt_tokens=10**7, max_tokens=0,
                                    prefill_chunk=512) is None
     assert policy.calls == [] and service.stats()["max_memory"] is None
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_h1"])
+def test_recurrent_state_is_priced_at_its_fixed_size(family, tmp_path):
+    """State-space layers (ArraysCache, alone or in a CacheList) do not grow with the prompt;
+    attention layers beside them do (Falcon-H1)."""
+    from mlx_lm import load
+
+    from kvplugin.tools.models.families import build_family_model
+
+    model, _ = load(str(build_family_model(family, tmp_path / family)))
+    fp = probe_footprint(model, make_prompt_cache(model), [1, 2, 3, 4])
+    fixed = sum(layer.fixed for layer in fp.layers)
+    assert fixed > 0
+    growing = sum(layer.per_slot for layer in fp.layers)
+    assert fp.kv_bytes(10_000) - fp.kv_bytes(10) == growing * 9_990
+    assert (growing == 0) == (family == "mamba")

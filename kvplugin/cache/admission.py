@@ -137,42 +137,18 @@ class Footprint:
         return need
 
 
-def _arrays_bytes(obj: Any) -> int:
-    from kvplugin.cache.layers import entry_arrays
-
-    return sum(a.nbytes for a in entry_arrays([obj]))
-
-
-def _growth_of(layer: Any) -> list[LayerGrowth]:
-    """What the vocabulary says one (probed) layer costs, children of a ``CacheList`` too."""
-    children = getattr(layer, "caches", None)
-    if isinstance(children, (list, tuple)):
-        return [g for child in children for g in _growth_of(child)]
-    from mlx_lm.models.cache import ArraysCache
-
-    if isinstance(layer, ArraysCache):  # recurrent state: a fixed size whatever the length
-        return [LayerGrowth(per_slot=0, fixed=_arrays_bytes(layer))]
-    from kvplugin.cache.layers import entry_arrays
-
-    per_slot = 0
-    for a in entry_arrays([layer]):
-        if a.ndim == 4 and a.shape[2] > 0:
-            per_slot += a.nbytes // a.shape[2]
-    cap = getattr(layer, "max_size", None)
-    return [LayerGrowth(per_slot=per_slot, cap=cap if isinstance(cap, int) else None)]
-
-
 def probe_footprint(model: Any, cache: list, tokens: list[int]) -> Footprint:
     """Run ``tokens`` (a few) through ``model`` with a fresh ``cache`` of the host's own
     classes and read each layer's bytes per token from what it then holds."""
     import mlx.core as mx
 
-    from kvplugin.cache.layers import entry_arrays
+    from kvplugin.cache.layers import entry_arrays, growth_of
     from kvplugin.cache.quantize import _configs, _field, _pos_int
 
     model(mx.array([tokens]), cache=cache)
     mx.eval(entry_arrays(cache))
-    layers = tuple(g for layer in cache for g in _growth_of(layer))
+    layers = tuple(LayerGrowth(per_slot=p, fixed=f, cap=c)
+                   for layer in cache for p, f, c in growth_of(layer))
     hidden = heads = 0
     for cfg in _configs(model):
         hidden = hidden or _pos_int(_field(cfg, "hidden_size")) or 0

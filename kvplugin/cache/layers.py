@@ -325,6 +325,22 @@ def extra_scalars(layer: Any, layout: str) -> dict | None:
     return extra
 
 
+def growth_of(layer: Any) -> list[tuple[int, int, int | None]]:
+    """How a layer's memory grows, children of a ``CacheList`` too: ``(bytes per held token,
+    fixed bytes, most tokens held)`` each. Recurrent state (``ArraysCache``) is fixed; a window
+    holds at most ``max_size`` tokens; K/V arrays are priced per token slot from a layer that
+    holds some (admission control probes a fresh cache with a few tokens)."""
+    layout = layout_of(layer)
+    if layout == "CacheList":
+        return [g for child in layer.caches for g in growth_of(child)]
+    if layout == "ArraysCache":
+        return [(0, sum(a.nbytes for a in entry_arrays([layer])), None)]
+    per_slot = sum(a.nbytes // a.shape[2] for a in entry_arrays([layer])
+                   if a.ndim == 4 and a.shape[2] > 0)
+    cap = getattr(layer, "max_size", None)
+    return [(per_slot, 0, cap if isinstance(cap, int) else None)]
+
+
 def is_trimmable(cache: list) -> bool:
     """True if every layer can be trimmed (mlx-lm ``can_trim_prompt_cache``)."""
     try:
