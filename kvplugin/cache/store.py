@@ -228,6 +228,7 @@ class PromptStore:
         self._index = KeyIndex(size=lambda e: e.nbytes)  # (model_key, tokens) -> StoreEntry
         self._owner: dict[int, StoreEntry] = {}  # id(first layer) -> entry holding it
         self._lent: list[StoreEntry] = []  # snapshots of entries moved out (oldest first)
+        self._lent_thread: dict[int, int] = {}  # id(snapshot) -> the thread that lent it
         self._c = dict.fromkeys(
             (
                 "stored hits misses evictions spills cold_hits discarded moved copied "
@@ -349,9 +350,12 @@ class PromptStore:
                 for layer in entry.cache:
                     layer.trim(extra)
             self._c["moved"] += 1
-            self._lent.append(StoreEntry(entry.model_key, entry.tokens[:n],
-                                         lend_view(entry.cache), entry.nbytes,
-                                         entry.prompt_len))
+            lent = StoreEntry(entry.model_key, entry.tokens[:n], lend_view(entry.cache),
+                              entry.nbytes, entry.prompt_len)
+            self._lent.append(lent)
+            self._lent_thread[id(lent)] = threading.get_ident()
+            for old in self._lent[:-MAX_LENT]:
+                self._lent_thread.pop(id(old), None)
             del self._lent[:-MAX_LENT]
             return entry.cache, n
         cache = copy_prefix(entry.cache, n, share=True)  # views: the donor stays stored
@@ -364,10 +368,16 @@ class PromptStore:
         return cache, n
 
     def _lent_plan(self, model_key, key) -> tuple[StoreEntry, int, bool] | None:
-        """Under the lock: the lent snapshot holding most of ``key``: (snapshot, n, whole)."""
+        """Under the lock: the lent snapshot holding most of ``key``: (snapshot, n, whole).
+
+        Only what this thread lent: a lent layer may be the owner's live one, whose newest
+        arrays MLX evaluates on the owner thread's stream (another thread gets "no Stream in
+        current thread", or worse). Every host runs its model, fetches included, in one
+        thread, so this costs nothing there."""
         best = None
+        me = threading.get_ident()
         for lent in self._lent:
-            if lent.model_key != model_key:
+            if lent.model_key != model_key or self._lent_thread.get(id(lent)) != me:
                 continue
             held = lent.tokens
             common = 0
@@ -407,6 +417,8 @@ class PromptStore:
                                                   and can_copy_prefix(cache, n)):
                 settled.append(lent)
         self._lent = keep
+        live = {id(lent) for lent in keep}
+        self._lent_thread = {k: v for k, v in self._lent_thread.items() if k in live}
         return settled
 
     def _hit(self, n: int) -> None:
