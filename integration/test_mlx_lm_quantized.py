@@ -84,7 +84,9 @@ def test_entries_stored_quantized(request, bits, seed):
     assert any(e["bits"][0] == bits for e in entries)
     assert any(e["bits"][0] is None for e in entries)  # the short one stayed full precision
     stats = srv.get("/kvplugin/stats")
-    assert stats["quantization"] == {"bits": bits, "group_size": 64, "min_tokens": MIN_TOKENS}
+    assert stats["quantization"] == {"bits": bits, "group_size": 64, "min_tokens": MIN_TOKENS,
+        # #15 added the codec and its parameters on purpose: the default codec, both widths
+        "codec": "affine", "key_bits": bits, "value_bits": bits, "sink_tokens": 0, "recent_tokens": 0}
     assert stats["entries_quantized"] >= 1
     assert stats["bytes_stored"] < stats["bytes_before"]
 

@@ -121,7 +121,9 @@ def _quantized_traffic_then_stop(srv, quant_home):
         answers = list(pool.map(lambda i: conversation(srv, i, turns=1), range(20, 28)))
     assert all(a and a[0] for a in answers)
     s = stats(srv)
-    assert s["quantization"] == {"bits": 3, "group_size": 64, "min_tokens": 200}, s
+    assert s["quantization"] == {"bits": 3, "group_size": 64, "min_tokens": 200,
+        # #15 added the codec and its parameters on purpose: the default codec, both widths
+        "codec": "affine", "key_bits": 3, "value_bits": 3, "sink_tokens": 0, "recent_tokens": 0}, s
     assert s["entries_quantized"] >= 8, s
     assert s["bytes_stored"] < 0.3 * s["bytes_before"], s  # 3-bit: ~0.22 of exact fp16
     assert set(s["store_bytes_by_kind"]) == {"QuantizedKVCache"}, s

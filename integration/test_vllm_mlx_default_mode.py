@@ -97,7 +97,9 @@ def test_env_and_flags_quantize_entries_with_the_chosen_bits(quant):
     for i in range(12):
         conversation(quant, i)
     s = stats(quant)
-    assert s["quantization"] == {"bits": 4, "group_size": 64, "min_tokens": 300}, s
+    assert s["quantization"] == {"bits": 4, "group_size": 64, "min_tokens": 300,
+        # #15 added the codec and its parameters on purpose: the default codec, both widths
+        "codec": "affine", "key_bits": 4, "value_bits": 4, "sink_tokens": 0, "recent_tokens": 0}, s
     assert s["hot_cache_only"] is True
     assert s["entries_quantized"] >= 6, s
     assert s["bytes_stored"] < 0.35 * s["bytes_before"], s  # 4-bit: ~0.28 of exact fp16

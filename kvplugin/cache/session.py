@@ -507,7 +507,9 @@ class KVService:
              "min_tokens": s.kv_cache_min_quantize_tokens,
              "codec": s.kv_cache_codec,
              "key_bits": s.kv_cache_key_bits or s.kv_cache_quantization_bits,
-             "value_bits": s.kv_cache_value_bits or s.kv_cache_quantization_bits}
+             "value_bits": s.kv_cache_value_bits or s.kv_cache_quantization_bits,
+             "sink_tokens": s.kv_cache_sink_tokens,
+             "recent_tokens": s.kv_cache_recent_tokens}
             if s.kv_cache_quantization else None
         )
         tier = self._cold_tier_stats()
