@@ -57,6 +57,25 @@ COUNTERS = (
      "room; no sample: no cold tier).", "cold_write_failures"),
     ("cold_leftovers_removed", "Temp files of dead writers removed from the cold tier (no "
      "sample: no cold tier).", "cold_leftovers_removed"),
+    ("remote_hits", "Lookups the remote (Redis) tier answered with a usable prefix (no "
+     "sample: no remote tier).", "remote_hits"),
+    ("remote_misses", "Remote-tier lookups without a usable prefix, Redis down or slow "
+     "included (no sample: no remote tier).", "remote_misses"),
+    ("remote_errors", "Remote-tier operations that failed (connection, full, refused).",
+     "remote_errors"),
+    ("remote_timeouts", "Remote-tier fetches past --kv-cache-remote-fetch-timeout-ms.",
+     "remote_timeouts"),
+    ("remote_corrupt", "Remote values that failed the digest, size, namespace or token check "
+     "(deleted, never served).", "remote_corrupt"),
+    ("remote_dropped", "Entries not written to the remote tier: Redis down, or the write "
+     "queue full.", "remote_dropped"),
+    ("remote_puts", "Entries written to the remote tier.", "remote_puts"),
+    ("remote_read_bytes", "Bytes read from the remote tier.", "remote_bytes_read"),
+    ("remote_written_bytes", "Bytes written to the remote tier.", "remote_bytes_written"),
+    ("remote_fetch_seconds", "Seconds requests spent waiting on remote-tier fetches (divide "
+     "by kvplugin_remote_fetches for the mean latency).", "remote_fetch_seconds"),
+    ("remote_fetches", "Remote-tier fetches (hits + misses while reachable).",
+     "remote_fetches"),
 )
 GAUGES = (
     ("entries", "Entries in the hot tier.", "store_entries"),
@@ -75,6 +94,10 @@ GAUGES = (
      "mlx_active_memory"),
     ("mlx_cache_bytes", "MLX buffer cache of the whole process (freed, not yet returned).",
      "mlx_cache_memory"),
+    ("remote_connected", "1 while the remote tier is reachable, 0 while it backs off (no "
+     "sample: no remote tier).", "remote_connected"),
+    ("remote_queued_bytes", "Bytes waiting to be written to the remote tier.",
+     "remote_queued_bytes"),
 )
 
 

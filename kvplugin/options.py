@@ -36,6 +36,13 @@ _TYPES = {
     "max_memory": str,
     "ssd_cache_dir": Path,
     "ssd_cache_max_gb": float,
+    "kv_cache_remote": str,
+    "kv_cache_remote_timeout_ms": int,
+    "kv_cache_remote_fetch_timeout_ms": int,
+    "kv_cache_remote_ttl_s": int,
+    "kv_cache_remote_block_tokens": int,
+    "kv_cache_remote_max_value_mb": float,
+    "kv_cache_remote_queue_mb": float,
 }
 
 _METAVARS = {
@@ -52,6 +59,13 @@ _METAVARS = {
     "max_memory": "SIZE",
     "ssd_cache_dir": "DIR",
     "ssd_cache_max_gb": "GB",
+    "kv_cache_remote": "URL",
+    "kv_cache_remote_timeout_ms": "MS",
+    "kv_cache_remote_fetch_timeout_ms": "MS",
+    "kv_cache_remote_ttl_s": "SECONDS",
+    "kv_cache_remote_block_tokens": "TOKENS",
+    "kv_cache_remote_max_value_mb": "MB",
+    "kv_cache_remote_queue_mb": "MB",
 }
 
 

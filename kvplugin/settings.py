@@ -190,6 +190,49 @@ class KVPluginSettings(BaseSettings):
         json_schema_extra={"allowed": "a number > 0"},
     )
 
+    kv_cache_remote: str | None = Field(
+        None,
+        description="A Redis/Valkey server shared by replicas, behind the hot and SSD tiers: "
+        "every stored entry is published there (off the request thread) and a local miss "
+        "looks there, in two round trips. Off under --hot-cache-only. See docs/remote.md.",
+        json_schema_extra={"allowed": "redis://[user:pass@]host:port/db, rediss://... (TLS) "
+                                      "or unix:///path/to/socket"},
+    )
+    kv_cache_remote_timeout_ms: int = Field(
+        50,
+        description="Connect and lookup timeout of the remote tier; a slower Redis is a miss.",
+        json_schema_extra={"allowed": "an integer > 0"},
+    )
+    kv_cache_remote_fetch_timeout_ms: int = Field(
+        1000,
+        description="The longest a request waits for one entry's bytes from the remote tier "
+        "(the lookup included); past it the request prefills locally.",
+        json_schema_extra={"allowed": "an integer > 0"},
+    )
+    kv_cache_remote_ttl_s: int = Field(
+        3600,
+        description="Expiry (seconds) of everything kvplugin writes to the remote tier.",
+        json_schema_extra={"allowed": "an integer > 0"},
+    )
+    kv_cache_remote_block_tokens: int = Field(
+        128,
+        description="Granularity of the remote tier's prefix index: a prefix shared with a "
+        "stored entry is found once it spans one block; the hit then covers every common token.",
+        json_schema_extra={"allowed": "an integer > 0"},
+    )
+    kv_cache_remote_max_value_mb: float = Field(
+        512.0,
+        description="The largest entry (MB, 10^6 bytes) written to or accepted from the "
+        "remote tier.",
+        json_schema_extra={"allowed": "a number > 0"},
+    )
+    kv_cache_remote_queue_mb: float = Field(
+        256.0,
+        description="Memory (MB) that entries waiting to be written to the remote tier may "
+        "hold; past it a write is dropped and counted.",
+        json_schema_extra={"allowed": "a number > 0"},
+    )
+
     @field_validator("kv_cache_quantization", "hot_cache_only", mode="before")
     @classmethod
     def _strict_bool(cls, v: Any) -> Any:
@@ -262,7 +305,42 @@ class KVPluginSettings(BaseSettings):
         parse_memory_limit(text)  # ValueError names what is wrong
         return text.lower() if text.lower() in ("auto", "off") else text
 
-    @field_validator("ssd_cache_max_gb")
+    @field_validator("kv_cache_remote_timeout_ms", "kv_cache_remote_fetch_timeout_ms",
+                     "kv_cache_remote_ttl_s", "kv_cache_remote_block_tokens")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("must be > 0")
+        return v
+
+    @field_validator("kv_cache_remote")
+    @classmethod
+    def _remote_url(cls, v: str | None) -> str | None:
+        """The URL's shape, before the server listens; reachability is the tier's business
+        (a Redis that is down is served around, a wrong password stops the start)."""
+        if v is None:
+            return None
+        from urllib.parse import urlsplit
+
+        text = v.strip()
+        try:
+            url = urlsplit(text)
+            port = url.port
+        except ValueError as e:
+            raise ValueError(f"not a URL ({e})") from None
+        if url.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("the scheme must be redis://, rediss:// or unix://")
+        if url.scheme == "unix" and not url.path:
+            raise ValueError("unix:// needs the socket's path")
+        if url.scheme != "unix" and not url.hostname:
+            raise ValueError("no host")
+        db = url.path.strip("/")
+        if url.scheme != "unix" and db and not db.isdigit():
+            raise ValueError(f"the database {db!r} is not a number")
+        del port
+        return text
+
+    @field_validator("ssd_cache_max_gb", "kv_cache_remote_max_value_mb", "kv_cache_remote_queue_mb")
     @classmethod
     def _positive_float(cls, v: float) -> float:
         if not v > 0:
@@ -298,6 +376,12 @@ class KVPluginSettings(BaseSettings):
     @property
     def ssd_cache_max_bytes(self) -> int:
         return int(self.ssd_cache_max_gb * 1e9)
+
+    @property
+    def remote_url(self) -> str | None:
+        """The remote tier in force: none under ``hot_cache_only`` (nothing leaves the
+        process), which :func:`notices` says."""
+        return None if self.hot_cache_only else self.kv_cache_remote
 
     @property
     def cold_tier_dir(self) -> Path | None:
@@ -457,5 +541,10 @@ def notices(settings: KVPluginSettings, sources: Mapping[str, Source]) -> list[s
         out.append(
             f"--hot-cache-only wins: the SSD directory {settings.ssd_cache_dir} "
             f"(--ssd-cache-dir / KVPLUGIN_SSD_CACHE_DIR) is not used, nothing is written to disk"
+        )
+    if settings.hot_cache_only and settings.kv_cache_remote is not None:
+        out.append(
+            "--hot-cache-only wins: the remote tier (--kv-cache-remote / "
+            "KVPLUGIN_KV_CACHE_REMOTE) is not used, nothing leaves the process"
         )
     return out

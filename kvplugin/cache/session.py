@@ -35,6 +35,7 @@ from kvplugin.cache.prealloc import rewind_decode
 from kvplugin.cache.pressure import AdmissionControl
 from kvplugin.cache.release import mlx_memory
 from kvplugin.cache.store import PromptStore
+from kvplugin.cache.tiers import remote_stats
 from kvplugin.cache.validate import ModelChecker
 from kvplugin.settings import KVPluginSettings
 
@@ -240,6 +241,7 @@ class KVService:
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
         if stored:
             self._event("store", len(tokens), entry)
+            self.store.publish(model_key, tokens, entry)
         return stored
 
     def request_done(self, key: Any) -> None:
@@ -517,6 +519,7 @@ class KVService:
         for name in COLD_FIELDS:  # flat, for /metrics; None: no cold tier (or not kept)
             value = tier.get(name) if tier else None
             out[f"cold_{name}"] = value if isinstance(value, int) else None
+        out.update(remote_stats(tier))
         out.update(mlx_memory())
         out.update(self.admission.stats())
         out["host"] = self.host

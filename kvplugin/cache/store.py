@@ -496,6 +496,18 @@ class PromptStore:
             self._c["spills" if ok else "rejected"] += 1
         return ok
 
+    def publish(self, model_key: str, tokens: Sequence[int], cache: list) -> None:
+        """Write ``cache`` through to the cold tiers that share entries as they are stored
+        (a remote tier's optional ``publish``), so other processes can reuse it before it
+        is ever evicted here. Call in the thread that owns ``cache``; never raises."""
+        publish = getattr(self.cold, "publish", None)
+        if publish is None:
+            return
+        try:
+            publish(model_key, tokens, cache)
+        except Exception:
+            log.exception("kvplugin: cold tier publish failed")
+
     def fetch(self, model_key: str, tokens: Sequence[int], *,
               check: Callable[[list], bool] | None = None) -> tuple[list | None, int]:
         """Longest-prefix lookup with move semantics; ``(cache, n)`` or ``(None, 0)``.

@@ -1,4 +1,5 @@
-"""Default storage: the SSD cold tier when a directory is configured, else none."""
+"""Default storage: the SSD cold tier when a directory is configured, the remote (Redis) tier
+when a URL is, both chained (SSD first) when both are; none under ``--hot-cache-only``."""
 
 from __future__ import annotations
 
@@ -11,10 +12,40 @@ if TYPE_CHECKING:
     from kvplugin.types import ColdTier
 
 
+def entry_format(settings: KVPluginSettings) -> str:
+    """What a stored entry's bytes depend on besides the checkpoint: replicas quantizing
+    differently must never read each other's entries (the remote tier's namespace)."""
+    if not settings.kv_cache_quantization:
+        return "full"
+    s = settings
+    return (f"{s.kv_cache_codec}:k{s.kv_cache_key_bits or s.kv_cache_quantization_bits}"
+            f"v{s.kv_cache_value_bits or s.kv_cache_quantization_bits}"
+            f":g{s.kv_cache_quantization_group_size}:min{s.kv_cache_min_quantize_tokens}"
+            f":sink{s.kv_cache_sink_tokens}:recent{s.kv_cache_recent_tokens}")
+
+
 @hookimpl(trylast=True)
 def kvplugin_store_backend(settings: KVPluginSettings) -> ColdTier | None:
-    if settings.hot_cache_only or settings.ssd_cache_dir is None:  # also when called directly
+    if settings.hot_cache_only:  # also when called directly
         return None
-    from kvplugin.cache.tiers.ssd import SSDTier
+    tiers: list = []
+    if settings.ssd_cache_dir is not None:
+        from kvplugin.cache.tiers.ssd import SSDTier
 
-    return SSDTier(settings.ssd_cache_dir, max_bytes=settings.ssd_cache_max_bytes)
+        tiers.append(SSDTier(settings.ssd_cache_dir, max_bytes=settings.ssd_cache_max_bytes))
+    if settings.remote_url is not None:
+        from kvplugin.cache.tiers.remote import RemoteTier
+
+        tiers.append(RemoteTier(
+            settings.remote_url, entry_format=entry_format(settings),
+            timeout_ms=settings.kv_cache_remote_timeout_ms,
+            fetch_timeout_ms=settings.kv_cache_remote_fetch_timeout_ms,
+            ttl_s=settings.kv_cache_remote_ttl_s,
+            block_tokens=settings.kv_cache_remote_block_tokens,
+            max_value_bytes=int(settings.kv_cache_remote_max_value_mb * 1e6),
+            queue_bytes=int(settings.kv_cache_remote_queue_mb * 1e6)))
+    if len(tiers) > 1:
+        from kvplugin.cache.tiers.chain import TierChain
+
+        return TierChain(tiers)
+    return tiers[0] if tiers else None

@@ -1,0 +1,382 @@
+"""The remote tier: entries shared by replicas through Redis (or Valkey, same protocol).
+
+Why Redis and not a home-made server: teams already run it, it bounds its own memory
+(``maxmemory`` + ``allkeys-lru``), and every kvplugin write carries a TTL. kvplugin talks to it
+with the ``redis`` client from the registry.
+
+What the tier promises, because Redis is never on the critical path of correctness:
+
+* **Writes are off the request thread.** ``publish`` serializes the entry where its arrays
+  live (MLX arrays belong to the thread that made them) and queues the bytes; a writer thread
+  hashes and sends them. Queued bytes are bounded (``queue_bytes``): past it a write is
+  dropped and counted.
+* **A fetch waits at most ``fetch_timeout``**, lookup included: the round trips run on a small
+  pool while the request thread waits with that deadline. A lookup is two round trips whatever
+  the prompt's length (see :mod:`kvplugin.cache.tiers.remote_keys`).
+* **Down, slow or full is a miss**, with one warning, counters, and reconnection with
+  back-off (0.5 s doubling to 30 s, no attempt in between). A wrong password or database is a
+  start-up error naming the flag, since serving without the tier would ignore what was asked.
+* **Nothing read is trusted**: digest, size bound, namespace and tokens are checked
+  (:mod:`kvplugin.cache.tiers.remote_wire`), and the store validates the entry against the
+  model before the host sees it; a value the model refuses is deleted (``discard``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kvplugin.cache.index import to_key
+from kvplugin.cache.layers import copy_prefix, entry_nbytes
+from kvplugin.cache.serialize import Unsupported
+from kvplugin.cache.tiers.remote_keys import Namespace
+from kvplugin.cache.tiers.remote_wire import Corrupt, decode, encode, seal
+
+__all__ = ["RemoteTier", "masked_url"]
+
+log = logging.getLogger("kvplugin.cache")
+
+FLAG = "--kv-cache-remote / KVPLUGIN_KV_CACHE_REMOTE"
+_BACKOFF_FIRST_S = 0.5
+_BACKOFF_MAX_S = 30.0
+_RESEND_AFTER_S = 60.0
+_COUNTERS = ("hits", "misses", "errors", "timeouts", "corrupt", "stale", "invalid",
+             "too_large", "refused", "dropped", "puts", "bytes_read", "bytes_written")
+
+
+def masked_url(url: str) -> str:
+    """``url`` without its password, for messages and stats."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+def _client(url: str, timeout_s: float, connect_s: float) -> Any:
+    from redis import Redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # No client-side retries: the tier's own back-off decides when to try again, and a
+    # retry would stretch a request's wait past its deadline.
+    return Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=connect_s,
+                          retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+
+class RemoteTier:
+    """A :class:`kvplugin.types.ColdTier` on Redis, written through by ``publish``."""
+
+    def __init__(self, url: str, *, entry_format: str, timeout_ms: int = 50,
+                 fetch_timeout_ms: int = 1000, ttl_s: int = 3600, block_tokens: int = 128,
+                 max_value_bytes: int = 512_000_000, queue_bytes: int = 256_000_000) -> None:
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            from kvplugin.settings import SettingsError
+
+            raise SettingsError(f"kvplugin: {FLAG} needs the redis client: "
+                                "pip install 'kvplugin[redis]'") from None
+        self.url = masked_url(url)
+        self.entry_format = entry_format
+        self.timeout_s = timeout_ms / 1000
+        self.fetch_timeout_s = fetch_timeout_ms / 1000
+        self.ttl_s = ttl_s
+        self.block = block_tokens
+        self.max_value_bytes = max_value_bytes
+        self.queue_bytes = queue_bytes
+        self._lookup = _client(url, self.timeout_s, self.timeout_s)
+        self._values = _client(url, self.fetch_timeout_s, self.timeout_s)
+        self._lock = threading.Lock()
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._fetch_seconds = 0.0
+        self._fetches = 0
+        self._down_until = 0.0
+        self._backoff = 0.0
+        self._spaces: dict[str, Namespace] = {}
+        self._published: OrderedDict[str, float] = OrderedDict()  # value key -> sent at
+        self._served: OrderedDict[int, str] = OrderedDict()  # id(cache) -> value key
+        self._pending = 0
+        self._closed = False
+        self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix="kvplugin-remote-read")
+        self._jobs: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kvplugin-remote-write",
+                                        daemon=True)
+        self._writer.start()
+        self._check_start()
+
+    # ---------------------------------------------------------------- health
+
+    def _check_start(self) -> None:
+        """PING once: credentials and database are start-up errors; unreachable is not."""
+        import redis
+
+        try:
+            self._lookup.ping()
+            log.info("kvplugin: remote tier %s reachable", self.url)
+        except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:
+            self._refuse(f"Redis at {self.url} refused the credentials ({e})")
+        except redis.ResponseError as e:  # e.g. "DB index is out of range", NOAUTH
+            self._refuse(f"Redis at {self.url} refused the connection ({e})")
+        except redis.RedisError as e:
+            self._failed(e)
+
+    def _refuse(self, why: str) -> None:
+        from kvplugin.settings import SettingsError
+
+        self.close()
+        raise SettingsError(f"kvplugin: {FLAG}: {why}")
+
+    def _available(self) -> bool:
+        return not self._closed and time.monotonic() >= self._down_until
+
+    def _ok(self) -> None:
+        with self._lock:
+            was_down = self._backoff > 0
+            self._backoff = 0.0
+            self._down_until = 0.0
+            if was_down:  # a restarted Redis may have lost what was sent
+                self._published.clear()
+        if was_down:
+            log.warning("kvplugin: remote tier %s reachable again", self.url)
+
+    def _failed(self, e: BaseException, *, timeout: bool = False) -> None:
+        """Count a failure; a connection problem starts (or lengthens) the back-off."""
+        import redis
+
+        down = timeout or isinstance(e, (redis.ConnectionError, redis.TimeoutError, OSError))
+        with self._lock:
+            self.counters["timeouts" if timeout else "errors"] += 1
+            first = down and self._backoff == 0
+            if down:
+                self._backoff = min(_BACKOFF_MAX_S, max(_BACKOFF_FIRST_S, self._backoff * 2))
+                self._down_until = time.monotonic() + self._backoff
+        if first:
+            log.warning("kvplugin: remote tier %s unavailable (%s: %s); serving locally, "
+                        "retrying with back-off", self.url, type(e).__name__, e)
+        elif not down:
+            log.warning("kvplugin: remote tier %s: %s: %s", self.url, type(e).__name__, e)
+
+    # ---------------------------------------------------------------- writes
+
+    def _space(self, model_key: str) -> Namespace:
+        ns = self._spaces.get(model_key)
+        if ns is None:
+            ns = self._spaces[model_key] = Namespace(model_key, self.entry_format, self.block)
+        return ns
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def publish(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
+        """Queue ``cache`` (holding ``tokens``) for Redis; True if queued. Runs in the
+        caller's thread only as long as serializing takes; never raises."""
+        if self._closed or len(tokens) < self.block or not cache:
+            return False
+        if not self._available():
+            self._count("dropped")
+            return False
+        ns = self._space(model_key)
+        key = ns.entry_key(tokens)
+        now = time.monotonic()
+        with self._lock:
+            # Sent (or read from here) a moment ago: e.g. an entry fetched from Redis and
+            # stored back unchanged. Only for a while: Redis may evict or lose it.
+            if now - self._published.get(key, -_RESEND_AFTER_S) < _RESEND_AFTER_S:
+                return False
+        size = entry_nbytes(cache)
+        if size > self.max_value_bytes:
+            self._count("too_large")
+            return False
+        with self._lock:
+            if self._pending + size > self.queue_bytes:
+                self.counters["dropped"] += 1
+                return False
+            self._pending += size
+        try:
+            buf, trimmable = encode(ns.name, tokens, cache)
+        except (Unsupported, AttributeError, TypeError) as e:
+            log.debug("kvplugin: not publishing entry: %s", e)
+            self._count("refused")
+            self._count_pending(-size)
+            return False
+        except Exception:
+            log.exception("kvplugin: remote tier could not serialize an entry")
+            self._count("refused")
+            self._count_pending(-size)
+            return False
+        ends = ns.pointer_keys(tokens)
+        pointers = [p for _, p in (ends if trimmable else ends[-1:])]
+        self._jobs.put(("set", key, pointers, buf, size))
+        with self._lock:
+            self._published[key] = now
+            self._published.move_to_end(key)
+            if len(self._published) > 1024:
+                self._published.popitem(last=False)
+        return True
+
+    def _count_pending(self, n: int) -> None:
+        with self._lock:
+            self._pending += n
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            kind, key, pointers, buf, size = job
+            view = None
+            try:
+                if kind == "delete":
+                    self._values.delete(key)
+                    continue
+                if not self._available():
+                    self._count("dropped")
+                    continue
+                view = seal(buf)
+                if len(view) > self.max_value_bytes:
+                    self._count("too_large")
+                    continue
+                pipe = self._values.pipeline(transaction=False)
+                pipe.set(key, view, ex=self.ttl_s)
+                for p in pointers:
+                    pipe.set(p, key, ex=self.ttl_s)
+                pipe.execute()
+                with self._lock:
+                    self.counters["puts"] += 1
+                    self.counters["bytes_written"] += len(view)
+                self._ok()
+            except Exception as e:
+                self._failed(e)
+            finally:
+                if view is not None:
+                    view.release()  # before the buffer can be freed
+                if buf is not None:
+                    buf.close()
+                if size:
+                    self._count_pending(-size)
+
+    # ---------------------------------------------------------------- reads
+
+    def _read(self, pointer_keys: list[str]) -> tuple[str, bytes] | None:
+        """On the pool: MGET every pointer, then GET the deepest one's value."""
+        names = self._lookup.mget(pointer_keys)
+        for name in reversed(names):
+            if name:
+                raw = self._values.get(name)
+                if raw is None:  # the value expired or was evicted before its pointer
+                    self._count("stale")
+                    return None
+                return name.decode(), raw
+        return None
+
+    def fetch(self, model_key: str, tokens: Sequence[int]) -> tuple[list, int] | None:
+        """The longest stored prefix of ``tokens``: ``(cache, n)`` or None; never raises,
+        never waits past ``fetch_timeout``."""
+        key = to_key(tokens)
+        if self._closed or len(key) < self.block:
+            return None
+        if not self._available():
+            self._count("misses")
+            return None
+        ns = self._space(model_key)
+        pointers = [p for _, p in ns.pointer_keys(key)]
+        started = time.monotonic()
+        try:
+            found = self._pool.submit(self._read, pointers).result(timeout=self.fetch_timeout_s)
+        except cf.TimeoutError as e:
+            self._failed(e, timeout=True)
+            found = None
+        except Exception as e:
+            self._failed(e)
+            found = None
+        else:
+            self._ok()
+        got = self._use(ns, key, found) if found is not None else None
+        with self._lock:
+            self._fetches += 1
+            self._fetch_seconds += time.monotonic() - started
+            self.counters["hits" if got is not None else "misses"] += 1
+        return got
+
+    def _use(self, ns: Namespace, key: tuple, found: tuple[str, bytes]) -> tuple[list, int] | None:
+        name, raw = found
+        self._count("bytes_read", len(raw))
+        try:
+            held, cache, trimmable = decode(raw, ns.name, self.max_value_bytes)
+            if name != ns.entry_key(held):
+                raise Corrupt("value stored under another entry's key")
+        except Corrupt as e:
+            log.warning("kvplugin: remote tier value %s is not used: %s", name, e)
+            self._count("corrupt")
+            self._jobs.put(("delete", name, None, None, 0))
+            return None
+        del raw
+        common = 0
+        for a, b in zip(held, key):
+            if a != b:
+                break
+            common += 1
+        if common < len(held):
+            if not trimmable or common == 0:
+                return None
+            cache = copy_prefix(cache, common)
+            if cache is None:
+                return None
+        with self._lock:
+            self._served[id(cache)] = name
+            if len(self._served) > 16:
+                self._served.popitem(last=False)
+            self._published[ns.entry_key(held)] = time.monotonic()  # coming back unchanged
+        return cache, common
+
+    def discard(self, cache: list) -> None:
+        """The store refused ``cache`` (it does not fit the model): delete its value."""
+        with self._lock:
+            name = self._served.pop(id(cache), None)
+            if name is not None:
+                self.counters["invalid"] += 1
+        if name is not None:
+            self._jobs.put(("delete", name, None, None, 0))
+
+    # ---------------------------------------------------------------- the rest
+
+    def put(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
+        """Spills are not sent: every entry was published when it was stored."""
+        return False
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = {f"remote_{k}": v for k, v in self.counters.items()}
+            out["remote_fetches"] = self._fetches
+            out["remote_fetch_seconds"] = round(self._fetch_seconds, 6)
+            out["remote_connected"] = int(self._backoff == 0 and not self._closed)
+            out["remote_queued_bytes"] = self._pending
+        out["remote_url"] = self.url
+        return out
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (up to ``timeout_s``), then disconnect."""
+        if self._closed:
+            return
+        self._jobs.put(None)
+        self._writer.join(timeout_s)
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in (self._lookup, self._values):
+            try:
+                client.close()
+            except Exception:
+                pass
+

@@ -1,0 +1,227 @@
+"""The remote tier (kvplugin.cache.tiers.remote) against a real redis-server on 127.0.0.1.
+
+No mock: timeouts, a server that stops, a corrupted value and the number of round trips are
+properties of a real Redis. A machine without ``redis-server`` fails here, saying how to
+install it (``bash .ci/run`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from kvplugin.cache.session import store_key
+from kvplugin.cache.tiers.remote import RemoteTier
+from kvplugin.cache.tiers.remote_keys import namespace_of
+from kvplugin.settings import SettingsError
+from kvplugin.tools.redisproc import RedisServer
+
+BLOCK = 64
+MODEL = "mlx-lm|fp-abc|max_kv=0"
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def tier(redis_server):
+    redis_server.client().flushall()
+    made = []
+
+    def make(**kw):
+        kw.setdefault("entry_format", "full")
+        kw.setdefault("block_tokens", BLOCK)
+        kw.setdefault("fetch_timeout_ms", 2000)
+        t = RemoteTier(redis_server.url, **kw)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def _entry(tokens: int, seed: int = 0) -> list:
+    mx.random.seed(seed)
+    layer = KVCache()
+    k = mx.random.normal((1, 2, tokens, 64)).astype(mx.float16)
+    layer.update_and_fetch(k, k * 2)
+    return [layer]
+
+
+def _published(t: RemoteTier, n: int = 1) -> None:
+    deadline = time.monotonic() + 10
+    while t.stats()["remote_puts"] < n:
+        assert time.monotonic() < deadline, t.stats()
+        time.sleep(0.01)
+
+
+def _commands(server, name: str) -> int:
+    stats = server.client().info("commandstats")
+    return stats.get(f"cmdstat_{name}", {}).get("calls", 0)
+
+
+def test_an_entry_published_by_one_tier_is_a_hit_on_another(tier, redis_server):
+    a, b = tier(), tier()
+    tokens = list(range(1000, 1300))
+    cache = _entry(300)
+    assert a.publish(MODEL, tokens, cache)
+    _published(a)
+    got = b.fetch(MODEL, tokens + [7, 8, 9])
+    assert got is not None
+    out, n = got
+    assert n == 300
+    assert mx.array_equal(out[0].keys[..., :300, :], cache[0].keys[..., :300, :]).item()
+    assert b.stats()["remote_hits"] == 1 and b.stats()["remote_bytes_read"] > 300 * 256
+    key = redis_server.client().keys("kvp1:*:e:*")[0]
+    assert 0 < redis_server.client().ttl(key) <= 3600  # everything written expires
+
+
+def test_a_shared_prefix_is_found_in_two_round_trips_and_cut_to_every_common_token(
+        tier, redis_server):
+    a, b = tier(), tier()
+    system = list(range(5000, 5000 + 4 * BLOCK + 10))  # 4 blocks and a bit
+    a.publish(MODEL, system + [1, 2, 3], _entry(len(system) + 3))
+    _published(a)
+    before = (_commands(redis_server, "mget"), _commands(redis_server, "get"))
+    got = b.fetch(MODEL, system + [9] * 4000)  # a 4k-token prompt: still two round trips
+    after = (_commands(redis_server, "mget"), _commands(redis_server, "get"))
+    assert got is not None and got[1] == len(system)  # every common token, not whole blocks
+    assert got[0][0].offset == len(system)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+
+
+def test_other_models_formats_and_short_prefixes_never_match(tier):
+    a = tier()
+    tokens = list(range(400))
+    a.publish(MODEL, tokens, _entry(400))
+    _published(a)
+    assert tier(entry_format="affine:k8v8").fetch(MODEL, tokens) is None
+    assert tier().fetch("mlx-lm|fp-other|max_kv=0", tokens) is None
+    assert tier().fetch("mlx-lm|fp-abc|max_kv=512", tokens) is None
+    assert tier().fetch(MODEL, [7] + tokens) is None  # differs before the first block ends
+    assert tier().fetch(MODEL, tokens[:BLOCK - 1]) is None
+    # the host is not part of the shared key: mlx-lm and vllm-mlx replicas share entries
+    assert tier().fetch("vllm-mlx|fp-abc|max_kv=0", tokens) is not None
+    assert (namespace_of(store_key("mlx-lm", "fp", None), "full")
+            == namespace_of(store_key("vllm-mlx", "fp", None), "full"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_a_damaged_value_is_a_counted_miss_and_is_deleted(tier, redis_server, damage, caplog):
+    a, b = tier(), tier()
+    tokens = list(range(200))
+    a.publish(MODEL, tokens, _entry(200))
+    _published(a)
+    r = redis_server.client()
+    key = r.keys("kvp1:*:e:*")[0]
+    raw = r.get(key)
+    if damage == "flip":
+        r.setrange(key, len(raw) - 100, b"\xff" * 8)
+    elif damage == "truncate":
+        r.set(key, raw[: len(raw) // 2])
+    else:
+        import pickle
+
+        r.set(key, pickle.dumps({"keys": [1, 2, 3]}))
+    with caplog.at_level(logging.WARNING, logger="kvplugin.cache"):
+        assert b.fetch(MODEL, tokens) is None
+    s = b.stats()
+    assert s["remote_corrupt"] == 1 and s["remote_hits"] == 0, s
+    assert "is not used" in caplog.text
+    deadline = time.monotonic() + 5
+    while r.exists(key):  # the writer thread deletes it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_value_over_the_size_bound_is_neither_written_nor_read(tier, redis_server):
+    small = tier(max_value_bytes=10_000)
+    assert not small.publish(MODEL, list(range(200)), _entry(200))
+    assert small.stats()["remote_too_large"] == 1
+    big = tier()
+    big.publish(MODEL, list(range(200)), _entry(200))
+    _published(big)
+    assert small.fetch(MODEL, list(range(200))) is None
+    assert small.stats()["remote_corrupt"] == 1  # refused before it is parsed
+
+
+def test_recurrent_state_is_reused_only_by_prompts_that_extend_it(tier):
+    a = tier()
+    layer = ArraysCache(2)
+    layer[0] = mx.ones((1, 3, 8))
+    layer[1] = mx.ones((1, 4, 16))
+    tokens = list(range(150))
+    a.publish(MODEL, tokens, [layer])
+    _published(a)
+    assert tier().fetch(MODEL, tokens[:140] + [1] * 50) is None  # would need a cut
+    got = tier().fetch(MODEL, tokens + [1] * 50)
+    assert got is not None and got[1] == 150
+
+
+def test_redis_down_is_a_fast_miss_with_one_warning_then_it_reconnects(tier, redis_server,
+                                                                        caplog):
+    a = tier(fetch_timeout_ms=300)
+    tokens = list(range(300))
+    a.publish(MODEL, tokens, _entry(300))
+    _published(a)
+    redis_server.stop()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvplugin.cache"):
+            for _ in range(5):
+                started = time.monotonic()
+                assert a.fetch(MODEL, tokens) is None
+                assert time.monotonic() - started < 0.3 + 0.2
+                assert not a.publish(MODEL, list(range(1, 301)), _entry(300))
+        assert caplog.text.count("unavailable") == 1, caplog.text
+        s = a.stats()
+        assert s["remote_connected"] == 0 and s["remote_errors"] >= 1, s
+        assert s["remote_dropped"] >= 1, s
+    finally:
+        redis_server.start()
+    deadline = time.monotonic() + 5
+    got = None
+    while got is None:  # back-off over: the next fetch tries again (the data is gone)
+        a.publish(MODEL, tokens, _entry(300, seed=1))
+        got = a.fetch(MODEL, tokens)
+        assert time.monotonic() < deadline, a.stats()
+        time.sleep(0.1)
+    assert a.stats()["remote_connected"] == 1
+
+
+def test_a_slow_redis_costs_a_request_at_most_the_fetch_timeout(tier, redis_server):
+    a = tier(fetch_timeout_ms=150)
+    tokens = list(range(300))
+    a.publish(MODEL, tokens, _entry(300))
+    _published(a)
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # a Redis that stops answering
+    try:
+        started = time.monotonic()
+        assert a.fetch(MODEL, tokens) is None
+        waited = time.monotonic() - started
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert waited < 0.15 + 0.1, waited
+    assert a.stats()["remote_timeouts"] + a.stats()["remote_errors"] >= 1
+
+
+def test_a_wrong_password_is_a_start_up_error_naming_flag_and_env():
+    with RedisServer(password="right") as server:
+        url = server.url.replace(":right@", ":wrong@")
+        with pytest.raises(SettingsError) as err:
+            RemoteTier(url, entry_format="full")
+        text = str(err.value)
+        assert "--kv-cache-remote" in text and "KVPLUGIN_KV_CACHE_REMOTE" in text
+        assert "wrong" not in text  # the password is never printed
+        ok = RemoteTier(server.url, entry_format="full")
+        assert ok.stats()["remote_connected"] == 1
+        ok.close()
