@@ -118,8 +118,10 @@ nothing is written anywhere, no directory is created.  With a cold tier:
   meanwhile; an entry being spilled is briefly in neither tier (a miss, never an
   error).
 * ``fetch`` asks the cold tier when its ``probe`` (optional method) promises more
-  tokens than the best hot candidate, or, for tiers without ``probe``, only on a
-  hot miss.  A cold hit is handed to the caller (``cold_hits``; for ``SSDTier`` a
+  tokens than the best hot candidate, or, for tiers without ``probe``, on a hot miss,
+  and, for a tier with an ``ask_beyond`` attribute (a remote tier, whose lookups are
+  I/O), also when the hot hit leaves at least that many tokens uncovered; such a tier's
+  ``fetch`` takes ``have=`` (the hot hit's length) and answers only with more.  A cold hit is handed to the caller (``cold_hits``; for ``SSDTier`` a
   prefix hit consumes the file, i.e. it is promoted to the caller, who re-inserts it
   into the hot tier after generation).  If the cold tier returns a cache covering
   the whole request, it is trimmed by one token when trimmable; otherwise it is
@@ -528,14 +530,18 @@ class PromptStore:
                 try:
                     found = probe(model_key, key) if probe is not None else None
                     if found is None:  # no probe (or a wrapper of a tier without one)
-                        want_cold = plan is None
+                        # A tier that cannot tell without I/O (a remote one) says how many
+                        # uncovered tokens make a lookup worth its round trips.
+                        beyond = getattr(cold, "ask_beyond", None)
+                        want_cold = plan is None or (
+                            beyond is not None and len(key) - hot_n >= int(beyond))
                     else:
                         want_cold = min(int(found), len(key) - 1) > hot_n
                 except Exception:
                     log.exception("kvplugin: cold tier probe failed")
             if not want_cold:
                 return self._serve(plan, model_key, key)
-        got = self._fetch_cold(model_key, key)
+        got = self._fetch_cold(model_key, key, hot_n)
         if got is not None and check is not None and not check(got[0]):
             discard = getattr(cold, "discard", None)  # kept by the tier (a prefix copy)
             if discard is not None:
@@ -551,10 +557,14 @@ class PromptStore:
                 return got
             return self._serve(self._plan(model_key, key), model_key, key)
 
-    def _fetch_cold(self, model_key, key):
-        """Outside the lock.  (cache, n) with 1 <= n < len(key), or None."""
+    def _fetch_cold(self, model_key, key, have: int = 0):
+        """Outside the lock.  (cache, n) with 1 <= n < len(key), or None. ``have``: what
+        the hot tier holds, for a tier with ``ask_beyond`` (it answers only with more)."""
         try:
-            got = self.cold.fetch(model_key, key)
+            if getattr(self.cold, "ask_beyond", None) is not None:
+                got = self.cold.fetch(model_key, key, have=have)
+            else:
+                got = self.cold.fetch(model_key, key)
         except Exception:
             log.exception("kvplugin: cold tier fetch failed")
             return None

@@ -34,9 +34,19 @@ class TierChain:
                 sent = bool(publish(model_key, tokens, cache)) or sent
         return sent
 
-    def fetch(self, model_key: Any, tokens: Sequence[int]) -> tuple[list, int] | None:
+    @property
+    def ask_beyond(self) -> int | None:
+        """The smallest ``ask_beyond`` of the tiers (see :mod:`kvplugin.cache.store`)."""
+        found = [t.ask_beyond for t in self.tiers if getattr(t, "ask_beyond", None) is not None]
+        return min(found) if found else None
+
+    def fetch(self, model_key: Any, tokens: Sequence[int], *,
+              have: int = 0) -> tuple[list, int] | None:
         for tier in self.tiers:
-            got = tier.fetch(model_key, tokens)
+            if getattr(tier, "ask_beyond", None) is not None:
+                got = tier.fetch(model_key, tokens, have=have)
+            else:
+                got = tier.fetch(model_key, tokens)
             if got is not None:
                 self._served[id(got[0])] = tier
                 while len(self._served) > 16:

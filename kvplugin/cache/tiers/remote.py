@@ -269,11 +269,19 @@ class RemoteTier:
 
     # ---------------------------------------------------------------- reads
 
-    def _read(self, pointer_keys: list[str]) -> tuple[str, bytes] | None:
-        """On the pool: MGET every pointer, then GET the deepest one's value."""
-        names = self._lookup.mget(pointer_keys)
-        for name in reversed(names):
+    @property
+    def ask_beyond(self) -> int:
+        """The store asks this tier when a hot hit leaves a block or more uncovered."""
+        return self.block
+
+    def _read(self, pointers: list[tuple[int, str]], have: int) -> tuple[str, bytes] | None:
+        """On the pool: MGET every pointer, then GET the deepest one's value, if that
+        pointer promises more than the ``have`` tokens the caller holds already."""
+        names = self._lookup.mget([p for _, p in pointers])
+        for (end, _), name in zip(reversed(pointers), reversed(names)):
             if name:
+                if end <= have:
+                    return None
                 raw = self._values.get(name)
                 if raw is None:  # the value expired or was evicted before its pointer
                     self._count("stale")
@@ -281,9 +289,10 @@ class RemoteTier:
                 return name.decode(), raw
         return None
 
-    def fetch(self, model_key: str, tokens: Sequence[int]) -> tuple[list, int] | None:
-        """The longest stored prefix of ``tokens``: ``(cache, n)`` or None; never raises,
-        never waits past ``fetch_timeout``."""
+    def fetch(self, model_key: str, tokens: Sequence[int], *,
+              have: int = 0) -> tuple[list, int] | None:
+        """The longest stored prefix of ``tokens``, if longer than ``have``: ``(cache, n)``
+        or None; never raises, never waits past ``fetch_timeout``."""
         key = to_key(tokens)
         if self._closed or len(key) < self.block:
             return None
@@ -291,10 +300,11 @@ class RemoteTier:
             self._count("misses")
             return None
         ns = self._space(model_key)
-        pointers = [p for _, p in ns.pointer_keys(key)]
+        pointers = ns.pointer_keys(key)
         started = time.monotonic()
         try:
-            found = self._pool.submit(self._read, pointers).result(timeout=self.fetch_timeout_s)
+            found = self._pool.submit(self._read, pointers, have).result(
+                timeout=self.fetch_timeout_s)
         except cf.TimeoutError as e:
             self._failed(e, timeout=True)
             found = None
@@ -303,14 +313,15 @@ class RemoteTier:
             found = None
         else:
             self._ok()
-        got = self._use(ns, key, found) if found is not None else None
+        got = self._use(ns, key, found, have) if found is not None else None
         with self._lock:
             self._fetches += 1
             self._fetch_seconds += time.monotonic() - started
             self.counters["hits" if got is not None else "misses"] += 1
         return got
 
-    def _use(self, ns: Namespace, key: tuple, found: tuple[str, bytes]) -> tuple[list, int] | None:
+    def _use(self, ns: Namespace, key: tuple, found: tuple[str, bytes],
+             have: int) -> tuple[list, int] | None:
         name, raw = found
         self._count("bytes_read", len(raw))
         try:
@@ -328,8 +339,10 @@ class RemoteTier:
             if a != b:
                 break
             common += 1
+        if common <= have:
+            return None
         if common < len(held):
-            if not trimmable or common == 0:
+            if not trimmable:
                 return None
             cache = copy_prefix(cache, common)
             if cache is None:
