@@ -22,6 +22,17 @@ def test_model_fingerprint(tmp_path):
     (d / "config.json").write_text('{"a": 3}')  # a changed checkpoint
     fp._FINGERPRINTS.clear()
     assert fp.model_fingerprint((str(d), None, None)) != key
+    copy = tmp_path / "copy" / "my-model"  # the same files elsewhere: the same key (replicas)
+    copy.parent.mkdir()
+    import shutil
+
+    shutil.copytree(d, copy)
+    fp._FINGERPRINTS.clear()
+    key = fp.model_fingerprint((str(d), None, None))
+    assert fp.model_fingerprint(str(copy)) == key  # vllm-mlx passes the path alone
+    (copy / "model.safetensors").write_bytes(b"y" * 10)  # other weights, same size
+    fp._FINGERPRINTS.clear()
+    assert fp.model_fingerprint(str(copy)) != key
     remote = fp.model_fingerprint(("org/repo-not-cached", None, None))
     assert remote.startswith("repo-not-cached-")
     assert fp.model_fingerprint(object()).startswith("model-")

@@ -2,8 +2,8 @@
 
 Both hosts key stored entries by model; entries persisted in the cold tier must never be
 served to a different model or a changed checkpoint, so the key hashes what identifies the
-files (config/tokenizer JSON contents, weight names, sizes and mtimes, the HF snapshot of a
-cached repo id) and the mlx-lm minor version (the cache format's owner). Host-independent:
+files (config/tokenizer JSON contents, weight names, sizes and sampled bytes; never the
+path, so replicas of one checkpoint share entries) and the mlx-lm minor version (the cache format's owner). Host-independent:
 a host passes whatever names its model (a path, a repo id, or mlx-lm's
 ``(model_path, adapter_path, draft_model_path)`` key).
 """
@@ -40,11 +40,29 @@ def _resolve_local(path: str) -> Path | None:
     return None
 
 
+_SAMPLE = 1 << 16
+
+
+def _file_digest(path: Path, h: Any) -> None:
+    """A weight file's size and three 64 KiB samples of its bytes (start, middle, end).
+
+    Why samples, not the mtime or the path: replicas on other machines (or another copy of
+    the same checkpoint) must get the same key to share entries through the remote tier,
+    and a fine-tune of the same architecture differs in the samples. Hashing gigabytes
+    of weights at every start would not be affordable."""
+    size = path.stat().st_size  # follows HF-cache symlinks into the blobs
+    h.update(f"{size}\0".encode())
+    with open(path, "rb") as f:
+        for offset in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+            f.seek(offset)
+            h.update(f.read(_SAMPLE))
+
+
 def _dir_digest(path: Path, h: Any) -> None:
     """Feed what identifies a model/adapter directory's contents into ``h``."""
     if path.is_file():
-        st = path.stat()
-        h.update(f"file:{path}:{st.st_size}:{st.st_mtime_ns}".encode())
+        h.update(b"file\0")
+        _file_digest(path, h)
         return
     for name in sorted(os.listdir(path)):
         f = path / name
@@ -55,10 +73,10 @@ def _dir_digest(path: Path, h: Any) -> None:
                 pass
         elif name.endswith(_WEIGHT_SUFFIXES):
             try:
-                st = f.stat()  # follows HF-cache symlinks into the blobs
+                h.update(name.encode() + b"\0")
+                _file_digest(f, h)
             except OSError:
                 continue
-            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
 
 
 def model_fingerprint(model: Any) -> str:
@@ -66,8 +84,8 @@ def model_fingerprint(model: Any) -> str:
 
     That is ``ModelProvider.model_key`` = ``(model_path, adapter_path, draft_model_path)``
     in 0.31.3 and 0.32.x (an opaque object elsewhere). The key names the model and hashes
-    what identifies its files (config/tokenizer JSON contents; weight names, sizes and
-    mtimes; the HF snapshot commit for cached repo ids) and the mlx-lm minor version, so
+    what identifies its files (config/tokenizer JSON contents; weight names, sizes and three
+    sampled 64 KiB of each; never the path) and the mlx-lm minor version, so
     entries persisted in the cold tier are never served to a different model or a changed
     checkpoint. Computed once per model key.
     """
@@ -78,24 +96,26 @@ def model_fingerprint(model: Any) -> str:
             cached = None
         if cached is not None:
             return cached
-    parts = model if isinstance(model, tuple) else (model,)
+    parts = list(model) if isinstance(model, tuple) else [model]
+    while len(parts) > 1 and parts[-1] is None:  # (path, None, None) is the path alone
+        parts.pop()
     h = hashlib.sha256()
     h.update(f"mlx-lm {_host_minor()}\0".encode())
     name = "model"
     for i, part in enumerate(parts):
-        h.update(f"[{i}]{part!r}\0".encode())
-        if not isinstance(part, (str, os.PathLike)):
+        local = _resolve_local(os.fspath(part)) if isinstance(part, (str, os.PathLike)) else None
+        if local is None:  # a repo id not cached here, an object: its name
+            h.update(f"[{i}]{part!r}\0".encode())
             continue
-        local = _resolve_local(os.fspath(part))
-        if local is None:
-            continue
+        # A local checkpoint is named by its contents, never its path: replicas with the
+        # same files (another machine, another copy) get the same key.
+        h.update(f"[{i}]local\0".encode())
         if i == 0:
             name = local.name if local.name not in ("", ".") else name
-        h.update(str(local).encode() + b"\0")
         try:
             _dir_digest(local, h)
         except OSError:
-            pass
+            h.update(str(local).encode() + b"\0")
     if parts and isinstance(parts[0], str) and name == "model":
         name = parts[0].rstrip("/").rsplit("/", 1)[-1] or name
     key = f"{name}-{h.hexdigest()[:24]}"

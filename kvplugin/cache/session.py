@@ -238,6 +238,12 @@ class KVService:
             # response): drop its references now so a replaced full-precision original is
             # freed at insert, not at the next request.
             cache.clear()
+        return self.store_prepared(model_key, tokens, entry, prompt_len=prompt_len)
+
+    def store_prepared(self, model_key: str, tokens: Sequence[int], entry: list, *,
+                       prompt_len: int | None = None) -> bool:
+        """Keep an entry :meth:`prepare_entry` made: into the store, then written through to
+        a tier that shares entries (the remote one), from this thread (it owns the arrays)."""
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
         if stored:
             self._event("store", len(tokens), entry)

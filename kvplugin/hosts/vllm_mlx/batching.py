@@ -198,7 +198,7 @@ class KVPrefixCache:
         if commit_guard is not None and not commit_guard():
             return False
         key, cache = entry
-        ok = self._service.store.insert(self._key, list(key), cache)
+        ok = self._service.store_prepared(self._key, key, cache)
         if not ok:
             self._rejections += 1
         return ok

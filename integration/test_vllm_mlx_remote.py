@@ -1,0 +1,79 @@
+"""Replicas of real ``vllm-mlx serve`` processes share one real ``redis-server``
+(``--kv-cache-remote``): default mode and ``--continuous-batching`` reuse each other's
+prefixes, and a mixed pair (``mlx_lm.server`` + ``vllm-mlx serve`` of one checkpoint) shares
+too. Every answer equals a stock server's (fp16).
+"""
+
+from __future__ import annotations
+
+import time
+
+import harness
+import pytest
+from harness import answer_text, vllm_mlx_serve_cmd
+
+from kvplugin.tools.models.corpus import CORPUS
+from kvplugin.tools.redisproc import RedisServer
+
+PARAGRAPHS = [p.replace("\n", " ").strip() for p in CORPUS.split("\n\n") if p.strip()]
+CB = ("--continuous-batching",)
+MAX_TOKENS = 8
+
+
+def _system(i: int) -> dict:
+    text = " ".join(PARAGRAPHS[(i + j) % len(PARAGRAPHS)] for j in range(3))
+    return {"role": "system", "content": f"Briefing {i}. {text}"}
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stock(start_server):
+    return start_server(vllm_mlx_serve_cmd, env={"KVPLUGIN_DISABLE": "1"})
+
+
+@pytest.fixture(scope="module")
+def servers(start_server, redis_server):
+    remote = ("--kv-cache-remote", redis_server.url)
+    return {
+        "default": start_server(vllm_mlx_serve_cmd, *remote),
+        "batching": start_server(vllm_mlx_serve_cmd, *remote, *CB),
+        "mlx-lm": start_server(harness.mlx_lm_server_cmd, *remote),
+    }
+
+
+def _stats(srv) -> dict:
+    return srv.get("/kvplugin/stats")
+
+
+def _published(srv, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while _stats(srv)["remote_puts"] < n:
+        assert time.monotonic() < deadline, _stats(srv)
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("writer, reader", [("default", "batching"), ("batching", "default"),
+                                            ("mlx-lm", "default"), ("default", "mlx-lm")])
+def test_a_prefix_one_replica_computed_is_reused_by_another(stock, servers, writer, reader):
+    case = ["default", "batching", "mlx-lm"].index(writer) * 3 + ["default", "batching",
+                                                                  "mlx-lm"].index(reader)
+    system = _system(case)
+    first = [system, {"role": "user", "content": "Tell me about the bridge."}]
+    second = [system, {"role": "user", "content": "When does the bakery open?"}]
+    a, b = servers[writer], servers[reader]
+    puts = _stats(a)["remote_puts"]
+    assert answer_text(a.chat(first, max_tokens=MAX_TOKENS)) == answer_text(
+        stock.chat(first, max_tokens=MAX_TOKENS))
+    _published(a, puts + 1)
+    before = _stats(b)
+    r = b.chat(second, max_tokens=MAX_TOKENS)
+    after = _stats(b)
+    assert answer_text(r) == answer_text(stock.chat(second, max_tokens=MAX_TOKENS))
+    assert after["remote_hits"] > before["remote_hits"], after
+    reused = after["store_tokens_reused"] - before["store_tokens_reused"]
+    assert reused >= r["usage"]["prompt_tokens"] // 2, (reused, r["usage"])
