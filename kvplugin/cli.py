@@ -48,6 +48,9 @@ BENCH_MODES = {
               "a real model's decode inside a --max-kv-size bound: speed and memory vs stock"),
     "families": ("kvplugin.tools.bench.families",
                  "with --server: per model family, stock vs kvplugin reuse, bytes, warm TTFT"),
+    "remote": ("kvplugin.tools.bench.remote",
+               "with --server: replicas sharing a real redis-server: warm TTFT from the remote "
+               "tier vs a cold prefill, bytes per hit, the cost of a miss"),
 }
 
 
@@ -56,9 +59,12 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if (args.memory or args.families) and args.quality:
         parser.error("--memory and --families go with --server, not --quality")
-    if args.memory and args.families:
-        parser.error("--memory and --families are two benchmarks: choose one")
+    if (args.memory or args.families or args.remote) and args.quality:
+        parser.error("--remote goes with --server, not --quality")
+    if sum((args.memory, args.families, args.remote)) > 1:
+        parser.error("--memory, --families and --remote are separate benchmarks: choose one")
     mode = ("memory" if args.memory else "families" if args.families
+            else "remote" if args.remote
             else "server" if args.server
             else "quality" if args.quality
             else "bound" if args.bound else "engine")
@@ -114,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--bound", action="store_true", help=BENCH_MODES["bound"][1])
     bench.add_argument("--memory", action="store_true", help=BENCH_MODES["memory"][1])
     bench.add_argument("--families", action="store_true", help=BENCH_MODES["families"][1])
+    bench.add_argument("--remote", action="store_true", help=BENCH_MODES["remote"][1])
     bench.add_argument("-h", "--help", action="store_true",
                        help="show the chosen benchmark's options and exit")
     bench.set_defaults(func=cmd_bench, subparser=bench, bench_args=[])
