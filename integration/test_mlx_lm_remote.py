@@ -158,3 +158,18 @@ def test_a_wrong_password_stops_the_server_before_it_listens(tiny_model):
     assert r.returncode == 2, out[-2000:]
     assert "--kv-cache-remote" in out and "KVPLUGIN_KV_CACHE_REMOTE" in out, out[-2000:]
     assert "Starting httpd" not in out and ":wrong@" not in out
+
+
+def test_hot_cache_only_turns_the_remote_tier_off_and_says_so(start_server, redis_server):
+    srv = start_server(harness.mlx_lm_server_cmd, "--kv-cache-remote", redis_server.url,
+                       "--hot-cache-only")
+    keys = len(redis_server.client().keys("kvp1:*"))
+    r = srv.chat([_system(6), {"role": "user", "content": "Who repaired the bridge?"}],
+                 max_tokens=MAX_TOKENS)
+    assert answer_text(r)
+    time.sleep(0.5)
+    stats = srv.get("/kvplugin/stats")
+    assert stats["remote_url"] is None and stats["remote_puts"] is None, stats
+    assert stats["store_entries"] >= 1  # the hot tier still works
+    assert len(redis_server.client().keys("kvp1:*")) == keys  # nothing left the process
+    assert srv.log_text().count("--hot-cache-only wins: the remote tier") == 1
