@@ -15,6 +15,7 @@ import time
 import harness
 import pytest
 from harness import answer_text, cached_tokens, run_command
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvplugin.tools.models.corpus import CORPUS
 from kvplugin.tools.models.tiny import build_tiny_model
@@ -80,6 +81,13 @@ def test_a_prefix_computed_by_one_replica_is_reused_by_the_other(stock, replicas
     assert stats["remote_hits"] >= 1 and stats["remote_bytes_read"] > 0, stats
     assert stats["remote_connected"] == 1 and stats["remote_url"] == a.get(
         "/kvplugin/stats")["remote_url"]
+    status, text = b.request("GET", "/metrics")
+    assert status == 200
+    series = {s.name: s.value for fam in text_string_to_metric_families(str(text))
+              for s in fam.samples}
+    assert series["kvplugin_remote_hits_total"] == stats["remote_hits"]
+    assert series["kvplugin_remote_read_bytes_total"] == stats["remote_bytes_read"]
+    assert series["kvplugin_remote_connected"] == 1
 
 
 def test_a_corrupted_value_is_a_counted_miss_never_served(stock, replicas, redis_server):
