@@ -75,3 +75,12 @@ def refusing_plugin(tmp_path) -> dict[str, str]:
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-refuse\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[kvplugin]\nrefuse = kvp_refuse\n")
     return {"PYTHONPATH": str(tmp_path)}
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real redis-server on 127.0.0.1 for the module (fails loudly when not installed)."""
+    from kvplugin.tools.redisproc import RedisServer
+
+    with RedisServer() as server:
+        yield server

@@ -93,3 +93,25 @@ def assert_busy_then_served(srv: ServerProcess, first: str, second: str, *, limi
     assert after["admission_reserved"] == 0
     # what MLX ever held stayed within the limit: the ledger reserves upper bounds
     assert after["mlx_peak_memory"] <= limit, (after["mlx_peak_memory"], limit)
+
+
+def briefing(i: int) -> dict:
+    """A long system message of real text, different for every ``i`` (a fresh prefix)."""
+    from kvplugin.tools.models.corpus import CORPUS
+
+    paragraphs = [p.replace("\n", " ").strip() for p in CORPUS.split("\n\n") if p.strip()]
+    text = " ".join(paragraphs[(i + j) % len(paragraphs)] for j in range(3))
+    return {"role": "system", "content": f"Briefing {i}. {text}"}
+
+
+def wait_published(srv: ServerProcess, n: int, timeout: float = 30.0) -> dict:
+    """Wait until ``srv`` has written ``n`` entries to the remote tier; its stats."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = srv.get("/kvplugin/stats")
+        if stats["remote_puts"] >= n:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)

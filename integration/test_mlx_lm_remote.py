@@ -17,24 +17,10 @@ import pytest
 from harness import answer_text, cached_tokens, run_command
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplugin.tools.models.corpus import CORPUS
 from kvplugin.tools.models.tiny import build_tiny_model
 from kvplugin.tools.redisproc import RedisServer
 
-PARAGRAPHS = [p.replace("\n", " ").strip() for p in CORPUS.split("\n\n") if p.strip()]
 MAX_TOKENS = 8
-
-
-def _system(i: int) -> dict:
-    """A different long system prompt per test (each starts from local misses)."""
-    text = " ".join(PARAGRAPHS[(i + j) % len(PARAGRAPHS)] for j in range(3))
-    return {"role": "system", "content": f"Briefing {i}. {text}"}
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -48,27 +34,17 @@ def replicas(start_server, redis_server):
             for _ in range(2)]
 
 
-def _published(srv, n: int) -> dict:
-    deadline = time.monotonic() + 30
-    while True:
-        stats = srv.get("/kvplugin/stats")
-        if stats["remote_puts"] >= n:
-            return stats
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("seed", [None, 1], ids=["batched", "sequential"])
 def test_a_prefix_computed_by_one_replica_is_reused_by_the_other(stock, replicas, seed):
     a, b = replicas
-    system = _system(0 if seed is None else 1)
+    system = harness.briefing(0 if seed is None else 1)
     first = [system, {"role": "user", "content": "Tell me about the bridge."}]
     second = [system, {"role": "user", "content": "When does the bakery open?"}]
     stock_first = stock.chat(first, max_tokens=MAX_TOKENS, seed=seed)
     stock_second = stock.chat(second, max_tokens=MAX_TOKENS, seed=seed)
     puts = a.get("/kvplugin/stats")["remote_puts"]
     a_first = a.chat(first, max_tokens=MAX_TOKENS, seed=seed)
-    _published(a, puts + 1)
+    harness.wait_published(a, puts + 1)
     b_second = b.chat(second, max_tokens=MAX_TOKENS, seed=seed)
     prompt = b_second["usage"]["prompt_tokens"]
     assert answer_text(a_first) == answer_text(stock_first)
@@ -92,12 +68,12 @@ def test_a_prefix_computed_by_one_replica_is_reused_by_the_other(stock, replicas
 
 def test_a_corrupted_value_is_a_counted_miss_never_served(stock, replicas, redis_server):
     a, b = replicas
-    system = _system(2)
+    system = harness.briefing(2)
     first = [system, {"role": "user", "content": "Describe the morning mist."}]
     second = [system, {"role": "user", "content": "Where do the buses go?"}]
     puts = a.get("/kvplugin/stats")["remote_puts"]
     a.chat(first, max_tokens=MAX_TOKENS)
-    _published(a, puts + 1)
+    harness.wait_published(a, puts + 1)
     cli = ["redis-cli", "-h", "127.0.0.1", "-p", str(redis_server.port)]
     keys = subprocess.run([*cli, "--scan", "--pattern", "kvp1:*:e:*"], check=True,
                           capture_output=True, text=True).stdout.split()
@@ -117,7 +93,7 @@ def test_a_corrupted_value_is_a_counted_miss_never_served(stock, replicas, redis
 
 def test_redis_stopped_mid_run_leaves_both_replicas_answering(stock, replicas, redis_server):
     a, b = replicas
-    system = _system(3)
+    system = harness.briefing(3)
     redis_server.stop()
     try:
         for i, srv in enumerate((a, b, a, b)):
@@ -138,16 +114,16 @@ def test_redis_stopped_mid_run_leaves_both_replicas_answering(stock, replicas, r
 def test_a_second_model_on_the_same_redis_never_gets_the_first_ones_entries(
         start_server, replicas, redis_server, tmp_path_factory):
     a, _ = replicas
-    system = _system(4)
+    system = harness.briefing(4)
     messages = [system, {"role": "user", "content": "What is sold on market days?"}]
     deadline = time.monotonic() + 30
     while a.get("/kvplugin/stats")["remote_connected"] != 1:  # back from the previous test
-        a.chat([_system(5), {"role": "user", "content": "ping"}], max_tokens=1)
+        a.chat([harness.briefing(5), {"role": "user", "content": "ping"}], max_tokens=1)
         assert time.monotonic() < deadline
         time.sleep(0.5)
     puts = a.get("/kvplugin/stats")["remote_puts"]
     a.chat(messages, max_tokens=MAX_TOKENS)
-    _published(a, puts + 1)
+    harness.wait_published(a, puts + 1)
     other = build_tiny_model(tmp_path_factory.mktemp("other-model"), seed=1)
     c = start_server(harness.mlx_lm_server_cmd, "--kv-cache-remote", redis_server.url,
                      model_dir=other)
@@ -172,7 +148,7 @@ def test_hot_cache_only_turns_the_remote_tier_off_and_says_so(start_server, redi
     srv = start_server(harness.mlx_lm_server_cmd, "--kv-cache-remote", redis_server.url,
                        "--hot-cache-only")
     keys = len(redis_server.client().keys("kvp1:*"))
-    r = srv.chat([_system(6), {"role": "user", "content": "Who repaired the bridge?"}],
+    r = srv.chat([harness.briefing(6), {"role": "user", "content": "Who repaired the bridge?"}],
                  max_tokens=MAX_TOKENS)
     assert answer_text(r)
     time.sleep(0.5)

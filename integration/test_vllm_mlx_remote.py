@@ -6,29 +6,14 @@ too. Every answer equals a stock server's (fp16).
 
 from __future__ import annotations
 
-import time
 
 import harness
 import pytest
 from harness import answer_text, vllm_mlx_serve_cmd
 
-from kvplugin.tools.models.corpus import CORPUS
-from kvplugin.tools.redisproc import RedisServer
 
-PARAGRAPHS = [p.replace("\n", " ").strip() for p in CORPUS.split("\n\n") if p.strip()]
 CB = ("--continuous-batching",)
 MAX_TOKENS = 8
-
-
-def _system(i: int) -> dict:
-    text = " ".join(PARAGRAPHS[(i + j) % len(PARAGRAPHS)] for j in range(3))
-    return {"role": "system", "content": f"Briefing {i}. {text}"}
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -50,26 +35,19 @@ def _stats(srv) -> dict:
     return srv.get("/kvplugin/stats")
 
 
-def _published(srv, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while _stats(srv)["remote_puts"] < n:
-        assert time.monotonic() < deadline, _stats(srv)
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("writer, reader", [("default", "batching"), ("batching", "default"),
                                             ("mlx-lm", "default"), ("default", "mlx-lm")])
 def test_a_prefix_one_replica_computed_is_reused_by_another(stock, servers, writer, reader):
     case = ["default", "batching", "mlx-lm"].index(writer) * 3 + ["default", "batching",
                                                                   "mlx-lm"].index(reader)
-    system = _system(case)
+    system = harness.briefing(case)
     first = [system, {"role": "user", "content": "Tell me about the bridge."}]
     second = [system, {"role": "user", "content": "When does the bakery open?"}]
     a, b = servers[writer], servers[reader]
     puts = _stats(a)["remote_puts"]
     assert answer_text(a.chat(first, max_tokens=MAX_TOKENS)) == answer_text(
         stock.chat(first, max_tokens=MAX_TOKENS))
-    _published(a, puts + 1)
+    harness.wait_published(a, puts + 1)
     before = _stats(b)
     r = b.chat(second, max_tokens=MAX_TOKENS)
     after = _stats(b)
