@@ -225,3 +225,42 @@ def test_a_wrong_password_is_a_start_up_error_naming_flag_and_env():
         ok = RemoteTier(server.url, entry_format="full")
         assert ok.stats()["remote_connected"] == 1
         ok.close()
+
+
+def test_an_entry_that_does_not_fit_the_model_is_never_served_and_is_deleted(tier,
+                                                                             redis_server):
+    from kvplugin.cache.store import PromptStore
+
+    a = tier()
+    tokens = list(range(300))
+    a.publish(MODEL, tokens, _entry(300))
+    _published(a)
+    b = tier()
+    store = PromptStore(max_bytes=1 << 30, cold=b)
+    cache, n = store.fetch(MODEL, tokens + [1], check=lambda c: False)  # the model refuses it
+    assert cache is None and n == 0
+    assert b.stats()["remote_invalid"] == 1
+    deadline = time.monotonic() + 5
+    while redis_server.client().keys("kvp1:*:e:*"):  # deleted by the writer thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cache, n = store.fetch(MODEL, tokens + [1], check=lambda c: True)
+    assert cache is None  # gone for every replica, not only this one
+
+
+def test_a_full_redis_refuses_writes_with_a_warning_and_serving_goes_on(caplog):
+    with RedisServer(maxmemory="2mb", policy="noeviction") as server:
+        t = RemoteTier(server.url, entry_format="full", block_tokens=BLOCK)
+        try:
+            with caplog.at_level(logging.WARNING, logger="kvplugin.cache"):
+                assert t.publish(MODEL, list(range(12000)), _entry(12000))  # ~3 MB
+                deadline = time.monotonic() + 10
+                while t.stats()["remote_errors"] < 1:
+                    assert time.monotonic() < deadline, t.stats()
+                    time.sleep(0.01)
+                assert t.fetch(MODEL, list(range(12000))) is None
+            s = t.stats()
+            assert s["remote_puts"] == 0 and s["remote_connected"] == 1, s  # full, not down
+            assert "OOM" in caplog.text or "maxmemory" in caplog.text, caplog.text
+        finally:
+            t.close()
