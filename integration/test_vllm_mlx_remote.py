@@ -55,3 +55,29 @@ def test_a_prefix_one_replica_computed_is_reused_by_another(stock, servers, writ
     assert after["remote_hits"] > before["remote_hits"], after
     reused = after["store_tokens_reused"] - before["store_tokens_reused"]
     assert reused >= r["usage"]["prompt_tokens"] // 2, (reused, r["usage"])
+
+
+def test_redis_stopped_mid_run_leaves_every_mode_answering(stock, servers, redis_server):
+    redis_server.stop()
+    try:
+        for i, name in enumerate(("default", "batching", "mlx-lm")):
+            messages = [harness.briefing(20 + i), {"role": "user", "content": "Who lives here?"}]
+            r = servers[name].chat(messages, max_tokens=MAX_TOKENS)
+            assert answer_text(r) == answer_text(stock.chat(messages, max_tokens=MAX_TOKENS))
+            stats = _stats(servers[name])
+            assert stats["remote_connected"] == 0, (name, stats)
+    finally:
+        redis_server.start()
+
+
+def test_a_wrong_password_stops_vllm_mlx_before_it_listens(tiny_model):
+    from kvplugin.tools.redisproc import RedisServer
+
+    with RedisServer(password="right") as server:
+        url = server.url.replace(":right@", ":wrong@")
+        r = harness.run_command(vllm_mlx_serve_cmd(tiny_model, harness.free_port(),
+                                                   "--kv-cache-remote", url), timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-2000:]
+    assert "--kv-cache-remote / KVPLUGIN_KV_CACHE_REMOTE" in out and ":wrong@" not in out
+    assert "Uvicorn running" not in out and "Application startup complete" not in out
