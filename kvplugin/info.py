@@ -17,7 +17,13 @@ from typing import Any, Mapping
 
 import kvplugin
 from kvplugin import config_sources
-from kvplugin.settings import option_infos, resolve_settings, setting_sources, config_file_in_force
+from kvplugin.settings import (
+    config_file_in_force,
+    option_infos,
+    resolve_settings,
+    setting_sources,
+    shown_value,
+)
 
 PTH_NAME = "kvplugin.pth"
 
@@ -92,7 +98,7 @@ def collect(flags: Mapping[str, Any]) -> dict[str, Any]:
         "plugins": [{"name": p.name, "origin": p.origin} for p in list_plugins()],
         "config_file": config.describe() if config else None,
         "settings": [
-            {"flag": i.flag, "env": i.env, "value": _jsonable(getattr(settings, i.field)),
+            {"flag": i.flag, "env": i.env, "value": _jsonable(shown_value(i.field, getattr(settings, i.field))),
              "source": sources[i.field]}
             for i in option_infos()
         ],

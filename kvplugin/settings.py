@@ -414,6 +414,30 @@ def option_infos() -> list[OptionInfo]:
     return infos
 
 
+def masked_url(url: str) -> str:
+    """``url`` without its password: for messages, stats and ``kvplugin info``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+    except ValueError:
+        return "<a URL>"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+def shown_value(field: str, value: Any) -> Any:
+    """A setting's value as kvplugin prints it: a URL's password never leaves the process."""
+    if field == "kv_cache_remote" and isinstance(value, str):
+        return masked_url(value)
+    return value
+
+
 def option_info(field: str) -> OptionInfo:
     for info in option_infos():
         if info.field == field:
@@ -429,11 +453,12 @@ def _describe(
         return str(error["msg"]).removeprefix("Value error, ")
     info = option_info(str(loc[0]))
     if info.field in flags:
-        got = f"{info.flag} {flags[info.field]!r}"
+        got = f"{info.flag} {shown_value(info.field, flags[info.field])!r}"
     elif os.environ.get(info.env, "").strip():
-        got = f"{info.env}={os.environ.get(info.env, '')!r}"
+        got = f"{info.env}={shown_value(info.field, os.environ.get(info.env, ''))!r}"
     elif file is not None and info.field in file_data:
-        got = f"{info.field} = {file_data[info.field]!r} in {file.describe()}"
+        got = (f"{info.field} = {shown_value(info.field, file_data[info.field])!r} in "
+               f"{file.describe()}")
     else:
         got = "the default"
     reason = str(error["msg"]).removeprefix("Value error, ")

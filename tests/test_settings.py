@@ -147,3 +147,15 @@ def test_settings_are_frozen():
     s = resolve_settings()
     with pytest.raises(Exception):
         s.max_kv_size = 5  # type: ignore[misc]
+
+
+def test_a_remote_url_password_is_never_printed(monkeypatch):
+    from kvplugin import info
+
+    monkeypatch.setenv("KVPLUGIN_KV_CACHE_REMOTE", "http://user:s3cret@host:6379/0")
+    with pytest.raises(SettingsError) as err:
+        resolve_settings({})
+    assert "s3cret" not in str(err.value) and "KVPLUGIN_KV_CACHE_REMOTE" in str(err.value)
+    monkeypatch.setenv("KVPLUGIN_KV_CACHE_REMOTE", "redis://user:s3cret@host:6379/0")
+    text = info.render(info.collect({}))
+    assert "redis://user:***@host:6379/0" in text and "s3cret" not in text

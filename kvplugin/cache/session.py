@@ -37,7 +37,7 @@ from kvplugin.cache.release import mlx_memory
 from kvplugin.cache.store import PromptStore
 from kvplugin.cache.tiers import remote_stats
 from kvplugin.cache.validate import ModelChecker
-from kvplugin.settings import KVPluginSettings
+from kvplugin.settings import KVPluginSettings, masked_url
 
 __all__ = ["Counters", "KVService", "describe_entry", "persist_dir", "store_key"]
 
@@ -575,8 +575,11 @@ class KVService:
         entries = "unlimited" if store.max_entries is None else f"{store.max_entries} entries"
         if s.hot_cache_only:
             cold = "none (--hot-cache-only: evictions are discarded)"
-        elif store.cold is not None and s.ssd_cache_dir is not None:
-            cold = f"{s.ssd_cache_dir} (max {s.ssd_cache_max_gb:g} GB)"
+        elif store.cold is not None and (s.ssd_cache_dir or s.remote_url) is not None:
+            tiers = [f"{s.ssd_cache_dir} (max {s.ssd_cache_max_gb:g} GB)"] if s.ssd_cache_dir else []
+            if s.remote_url:
+                tiers.append(f"remote {masked_url(s.remote_url)} (TTL {s.kv_cache_remote_ttl_s} s)")
+            cold = " + ".join(tiers)
         elif store.cold is not None:
             cold = type(store.cold).__name__
         else:

@@ -31,15 +31,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from kvplugin.cache.index import to_key
 from kvplugin.cache.layers import copy_prefix, entry_nbytes
 from kvplugin.cache.serialize import Unsupported
 from kvplugin.cache.tiers.remote_keys import Namespace
 from kvplugin.cache.tiers.remote_wire import Corrupt, decode, encode, seal
+from kvplugin.settings import masked_url
 
-__all__ = ["RemoteTier", "masked_url"]
+__all__ = ["RemoteTier"]
 
 log = logging.getLogger("kvplugin.cache")
 
@@ -49,18 +49,6 @@ _BACKOFF_MAX_S = 30.0
 _RESEND_AFTER_S = 60.0
 _COUNTERS = ("hits", "misses", "errors", "timeouts", "corrupt", "stale", "invalid",
              "too_large", "refused", "dropped", "puts", "bytes_read", "bytes_written")
-
-
-def masked_url(url: str) -> str:
-    """``url`` without its password, for messages and stats."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
 def _client(url: str, timeout_s: float, connect_s: float) -> Any:
