@@ -264,3 +264,18 @@ def test_a_full_redis_refuses_writes_with_a_warning_and_serving_goes_on(caplog):
             assert "OOM" in caplog.text or "maxmemory" in caplog.text, caplog.text
         finally:
             t.close()
+
+
+def test_a_unix_socket_url_serves_like_tcp():
+    with RedisServer(unix_socket=True) as server:
+        assert server.url.startswith("unix://")
+        a = RemoteTier(server.url, entry_format="full", block_tokens=BLOCK)
+        b = RemoteTier(server.url, entry_format="full", block_tokens=BLOCK)
+        try:
+            assert a.publish(MODEL, list(range(200)), _entry(200))
+            _published(a)
+            got = b.fetch(MODEL, list(range(200)) + [5])
+            assert got is not None and got[1] == 200
+        finally:
+            a.close()
+            b.close()

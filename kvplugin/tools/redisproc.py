@@ -29,7 +29,7 @@ class RedisServer:
     """``with RedisServer() as r: r.url`` -- a fresh redis-server, stopped at exit."""
 
     def __init__(self, *, password: str | None = None, maxmemory: str | None = None,
-                 policy: str = "allkeys-lru") -> None:
+                 policy: str = "allkeys-lru", unix_socket: bool = False) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RedisNotInstalled(INSTALL_HINT)
@@ -40,10 +40,13 @@ class RedisServer:
         self.port = 0
         self.dir = Path(tempfile.mkdtemp(prefix="kvplugin-redis-"))
         self.proc: subprocess.Popen | None = None
+        self.socket = self.dir / "redis.sock" if unix_socket else None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.socket is not None:
+            return f"unix://{auth}{self.socket}?db=0"
         return f"redis://{auth}{HOST}:{self.port}/0"
 
     def start(self) -> RedisServer:
@@ -53,6 +56,8 @@ class RedisServer:
                "--appendonly", "no", "--dir", str(self.dir), "--protected-mode", "yes"]
         if self.password:
             cmd += ["--requirepass", self.password]
+        if self.socket is not None:
+            cmd += ["--unixsocket", str(self.socket), "--unixsocketperm", "700"]
         if self.maxmemory:
             cmd += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
