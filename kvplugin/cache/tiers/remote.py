@@ -47,6 +47,7 @@ FLAG = "--kv-cache-remote / KVPLUGIN_KV_CACHE_REMOTE"
 _BACKOFF_FIRST_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _RESEND_AFTER_S = 60.0
+_REFUSAL_LOG_S = 60.0
 _COUNTERS = ("hits", "misses", "errors", "timeouts", "corrupt", "stale", "invalid",
              "too_large", "refused", "dropped", "puts", "bytes_read", "bytes_written")
 
@@ -91,6 +92,7 @@ class RemoteTier:
         self._fetches = 0
         self._down_until = 0.0
         self._backoff = 0.0
+        self._last_refusal_log = -_REFUSAL_LOG_S
         self._spaces: dict[str, Namespace] = {}
         self._published: OrderedDict[str, float] = OrderedDict()  # value key -> sent at
         self._served: OrderedDict[int, str] = OrderedDict()  # id(cache) -> value key
@@ -143,17 +145,23 @@ class RemoteTier:
         import redis
 
         down = timeout or isinstance(e, (redis.ConnectionError, redis.TimeoutError, OSError))
+        now = time.monotonic()
         with self._lock:
             self.counters["timeouts" if timeout else "errors"] += 1
             first = down and self._backoff == 0
+            # Redis up but refusing (full, a command error): said at most once a minute.
+            loud = not down and now - self._last_refusal_log >= _REFUSAL_LOG_S
+            if loud:
+                self._last_refusal_log = now
             if down:
                 self._backoff = min(_BACKOFF_MAX_S, max(_BACKOFF_FIRST_S, self._backoff * 2))
                 self._down_until = time.monotonic() + self._backoff
         if first:
             log.warning("kvplugin: remote tier %s unavailable (%s: %s); serving locally, "
                         "retrying with back-off", self.url, type(e).__name__, e)
-        elif not down:
-            log.warning("kvplugin: remote tier %s: %s: %s", self.url, type(e).__name__, e)
+        elif loud:
+            log.warning("kvplugin: remote tier %s: %s: %s (serving locally; said at most once "
+                        "a minute)", self.url, type(e).__name__, e)
 
     # ---------------------------------------------------------------- writes
 
