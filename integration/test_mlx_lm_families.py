@@ -83,7 +83,7 @@ def test_family_is_stored_reused_and_answers_like_stock(family, start_server):
             srv.stop()
 
 
-@pytest.mark.skipif(not available("llama4", VERSION), reason="llama4 needs mlx-lm >= 0.32.0")
+@pytest.mark.host_version("mlx-lm", ">=0.32.0")  # llama4 exists from mlx-lm 0.32.0 on
 def test_bounded_chunked_conversation_says_why_its_next_turn_misses(start_server, tmp_path):
     """Llama 4 (ChunkedKVCache) with --max-kv-size: the full-attention layer is bounded to a
     wrapping window, which cannot be cut back to where the next prompt diverges (the reply

@@ -92,9 +92,8 @@ def test_group_size_not_dividing_head_dim_stops_the_server(tiny_model, by):
     assert "Starting httpd" not in r.stderr + r.stdout
 
 
+@pytest.mark.host_version("mlx-lm", ">=0.32.0")  # --kv-bits is a server flag from 0.32 on
 def test_max_kv_size_with_mlx_lm_kv_bits_is_refused(tiny_model):
-    if harness.host_version("mlx-lm").startswith("0.31."):
-        pytest.skip("--kv-bits is a server flag from mlx-lm 0.32 on")
     r = _start_fails(tiny_model, "--max-kv-size", "64", "--kv-bits", "8")
     assert r.returncode == 2
     assert "--max-kv-size" in r.stderr and "--kv-bits" in r.stderr

@@ -106,11 +106,10 @@ def test_quantized_entry_is_reused(q8, seed):
 
 @pytest.fixture(scope="module")
 def kv_bits(start_server):
-    if harness.host_version("mlx-lm").startswith("0.31."):
-        pytest.skip("--kv-bits is a server flag from mlx-lm 0.32 on")
     return start_server(harness.mlx_lm_server_cmd, "--kv-bits", "8", "--quantized-kv-start", "0")
 
 
+@pytest.mark.host_version("mlx-lm", ">=0.32.0")  # --kv-bits is a server flag from 0.32 on
 def test_mlx_lm_kv_bits_entries_are_left_alone(kv_bits):
     messages = [{"role": "user", "content": LONG}]
     kv_bits.chat(messages, max_tokens=6)
@@ -129,6 +128,7 @@ def test_mlx_lm_kv_bits_entries_are_left_alone(kv_bits):
         assert e["nbytes"] <= RATIO[8] * e["tokens"] * TOKEN_BYTES, e
 
 
+@pytest.mark.host_version("mlx-lm", ">=0.32.0")
 def test_kv_bits_handback_answers_like_stock_kv_bits(kv_bits, start_server):
     """The quantized entry handed back as it is answers a continuing conversation exactly
     as stock mlx-lm with the same --kv-bits does (stock deep-copies its quantized entry)."""
