@@ -51,6 +51,13 @@ class ColdTier(Protocol):
     Optional ``probe(model_key, tokens) -> int``: without I/O, the ``n`` that ``fetch`` would
     return now (0 if none); lets the store prefer a better cold entry over a weaker hot one.
     Optional ``__len__`` and ``nbytes``: reported in the stats.
+
+    Optional ``publish(model_key, tokens, cache)``: called in the storing thread right after
+    an entry is stored in the hot tier (write-through, for a tier that shares entries with
+    other processes, e.g. Redis); must not keep ``cache``'s arrays past the call. Optional
+    ``ask_beyond`` (int): a tier whose lookups cost I/O and so has no ``probe`` is also asked
+    when a hot hit leaves at least that many tokens uncovered; its ``fetch`` then takes
+    ``have=`` (the hot hit's length) and answers only with more.
     """
 
     def put(self, model_key: str, tokens: Sequence[int], cache: list) -> bool: ...
