@@ -116,6 +116,7 @@ def measure(model: Path, sizes: Sequence[int], work: Path, env: dict, words: lis
                         "miss_ttft_stock_s": stock_miss.ttft_s, "miss_ttft_kvplugin_s": miss.ttft_s,
                         "miss_remote_wait_s": _stats(b)["remote_fetch_seconds"] - seconds,
                     })
+                    print(json.dumps(rows[-1]), flush=True)  # partial results survive a kill
                 for srv in (a, b):
                     srv.stop()
         finally:
