@@ -36,7 +36,8 @@ def check_seams(scheduler: Any, memory_cache: Any, batched: Any, mlc: Any) -> No
     require_attrs(memory_cache.MemoryCacheConfig, "compute_memory_limit")
     require_attrs(batched, "BatchedEngine")
     require_attrs(batched.BatchedEngine, "save_cache_to_disk", "load_cache_from_disk")
-    require_attrs(mlc, "BatchKVCache", "BatchRotatingKVCache", "make_prompt_cache")
+    require_attrs(mlc, "BatchKVCache", "BatchRotatingKVCache", "KVCache", "make_prompt_cache")
+    require_attrs(mlc.BatchKVCache, "merge", "filter", "extract")
 
 
 def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: Any,
@@ -50,6 +51,7 @@ def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: 
     if rt.mode == "batching":  # the batch caches every request is merged into
         for name, step in rt.service.batch_steps().items():
             patches.replace(getattr(mlc, name), "step", step)
+        install_batch_of_one(patches, mlc)
     if not rt.service.may_persist():
         be = batched.BatchedEngine
         patches.replace(be, "save_cache_to_disk", _no_save)
@@ -60,6 +62,17 @@ def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: 
         ):
             if hasattr(be, name):
                 patches.replace(be, name, fn)
+
+
+def install_batch_of_one(patches: PatchRegistry, mlc: Any) -> None:
+    """``BatchKVCache`` merge/filter/extract without their whole-cache copies for one row."""
+    from kvplugin.hosts.mlx_lm_batch import adopting_extract, adopting_merge, whole_batch_filter
+
+    cls = mlc.BatchKVCache
+    own = vars(cls)
+    patches.replace(cls, "merge", adopting_merge(own["merge"].__func__, mlc.KVCache))
+    patches.replace(cls, "filter", whole_batch_filter(own["filter"]))
+    patches.replace(cls, "extract", adopting_extract(own["extract"], mlc.KVCache))
 
 
 def bind_prefix_cache(memory_cache: Any, adapter: Any) -> type:
