@@ -112,11 +112,13 @@ class KVPrefixCache:
 
     * ``store`` keys an entry by the tokens its cache really holds (``offset``), trims it,
       quantizes it per kvplugin's settings and hands it to the store (no extra copy of
-      layers trim/quantize already copied; others are detached like the host does).
+      layers trim/quantize already copied; others are detached like the host does). The
+      session learns where the prompt ended from the fetch, so the conversation's previous
+      turn is superseded.
     * ``fetch`` is the store's longest-prefix lookup: a prefix entry is *moved* to the
-      request (no copy; the batch merge is the only copy), a shared prefix of another
-      conversation's entry is copied; at least one token is always left to prefill, so
-      the scheduler never hits its exact-match re-prefill path. Quantized entries come
+      request (no copy; a batch of one adopts it), a shared prefix of another entry is
+      served as views of it (the batch grows into a new buffer); at least one token is
+      always left to prefill, so the scheduler never hits its exact-match re-prefill path. Quantized entries come
       back dequantized.
     * Below the host's ``min_prefix_tokens`` (128) nothing is stored or fetched, as stock.
     """
