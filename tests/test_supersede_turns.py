@@ -65,3 +65,21 @@ def test_session_learns_the_prompt_length_from_the_fetch():
     extend(cache, prompt2[n:], n)
     svc.insert("m", prompt2, cache)
     assert len(svc.store) == 1 and svc.store.stats().superseded == 1
+
+
+def test_prepare_then_store_learns_the_prompt_length_too():
+    """vllm-mlx's ``--continuous-batching`` prefix cache stores through ``prepare_entry`` +
+    ``store_prepared`` (not ``insert``): its conversation's previous turn must go as well."""
+    pm = create_plugin_manager(load_entry_points=False)
+    svc = KVService(resolve_settings(), host="test", hook=pm.hook, max_bytes=1 << 40)
+    prompt1 = seq(0, 34)
+    svc.fetch("m", prompt1)
+    reply = seq(200, 6)
+    svc.store_prepared("m", prompt1 + reply, svc.prepare_entry(kv(prompt1 + reply), 40))
+    (entry,) = svc.store.snapshot()[1]
+    assert entry.prompt_len == len(prompt1)
+    prompt2 = prompt1 + seq(200, 4) + seq(700, 2) + seq(300, 3)
+    cache, n = svc.fetch("m", prompt2)
+    extend(cache, prompt2[n:], n)
+    svc.store_prepared("m", prompt2, svc.prepare_entry(cache, len(prompt2)))
+    assert len(svc.store) == 1 and svc.store.stats().superseded == 1

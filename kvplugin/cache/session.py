@@ -231,19 +231,25 @@ class KVService:
 
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
-        prompt_len = self._prompt_len(tokens)
         entry = self.prepare_entry(cache, len(tokens))
         if entry is not cache:
             # The host may keep its list object a while (mlx-lm's loop holds the last
             # response): drop its references now so a replaced full-precision original is
             # freed at insert, not at the next request.
             cache.clear()
-        return self.store_prepared(model_key, tokens, entry, prompt_len=prompt_len)
+        return self.store_prepared(model_key, tokens, entry)
 
     def store_prepared(self, model_key: str, tokens: Sequence[int], entry: list, *,
                        prompt_len: int | None = None) -> bool:
         """Keep an entry :meth:`prepare_entry` made: into the store, then written through to
-        a tier that shares entries (the remote one), from this thread (it owns the arrays)."""
+        a tier that shares entries (the remote one), from this thread (it owns the arrays).
+
+        ``prompt_len`` (where the prompt ended in ``tokens``) is learnt from recent fetches
+        when not given (:meth:`_prompt_len`), for every host path alike: without it a
+        conversation's previous turn is never superseded and the store holds it once per turn.
+        """
+        if prompt_len is None:
+            prompt_len = self._prompt_len(tokens)
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
         if stored:
             self._event("store", len(tokens), entry)

@@ -9,15 +9,28 @@ the merge is not). A batch of one can *adopt* the cache's arrays instead: same c
 content, same shapes, no copy. Everything else (several requests, rotating or quantized
 layers, padding) goes to mlx-lm's own ``merge`` unchanged.
 
+The same holds for the two other whole-cache copies of a batch of one on mlx-lm >= 0.31's
+``BatchGenerator`` (what vllm-mlx's ``--continuous-batching`` drives):
+
+* ``PromptProcessingBatch.split`` (prompt -> generation) shares the arrays
+  (``copy.deepcopy`` of an MLX array is the same array) and then calls ``filter([0])`` on the
+  new batch: ``keys[[0]]`` is a gather, a full copy. Keeping every row in order is a slice
+  (a view): :func:`whole_batch_filter`.
+* ``extract`` at the end of a request copies the row to a contiguous buffer
+  (``mx.contiguous``) while the batch's buffer is still alive. A batch of one can hand out
+  its buffer as a plain ``KVCache`` (``offset`` = tokens held, slack after it, as a
+  ``KVCache`` normally has): :func:`adopting_extract`. The store trims it layer by layer.
+
 MLX arrays are values: the batch writes new tokens by slice assignment or by growing into a
-new buffer, so adopting a buffer that a stored entry still shares never changes that entry.
+new buffer, so adopting a buffer that a stored entry still shares never changes that entry
+(a shared buffer is not donated: the first write after sharing copies it once, as stock did).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["adopting_merge"]
+__all__ = ["adopting_extract", "adopting_merge", "whole_batch_filter"]
 
 
 def _adoptable(cache: Any, kv_cache_cls: type) -> bool:
@@ -56,3 +69,54 @@ def adopting_merge(original: Callable, kv_cache_cls: type) -> classmethod:
     merge.__doc__ = adopting_merge.__doc__
     merge.__kvplugin_original__ = original  # type: ignore[attr-defined]
     return classmethod(merge)
+
+
+def _keeps_every_row(cache: Any, batch_indices: Any) -> bool:
+    rows = getattr(getattr(cache, "offset", None), "shape", None)
+    return (
+        isinstance(batch_indices, (list, tuple))
+        and rows is not None
+        and len(rows) == 1
+        and list(batch_indices) == list(range(rows[0]))
+    )
+
+
+def whole_batch_filter(original: Callable) -> Callable:
+    """``BatchKVCache.filter`` that keeps every row in order as a slice (a view), not a gather.
+
+    ``original`` is the class's own ``filter``; any other selection goes to it unchanged.
+    """
+
+    def filter(self: Any, batch_indices: Any) -> None:
+        if _keeps_every_row(self, batch_indices):
+            return original(self, slice(None))
+        return original(self, batch_indices)
+
+    filter.__doc__ = whole_batch_filter.__doc__
+    filter.__kvplugin_original__ = original  # type: ignore[attr-defined]
+    return filter
+
+
+def adopting_extract(original: Callable, kv_cache_cls: type) -> Callable:
+    """``BatchKVCache.extract`` that hands a batch of one its own buffer as a ``KVCache``.
+
+    Several rows (the others go on) or an empty batch take mlx-lm's own ``extract``.
+    """
+
+    def extract(self: Any, idx: int) -> Any:
+        keys = self.keys
+        if keys is None or keys.ndim != 4 or keys.shape[0] != 1 or idx != 0:
+            return original(self, idx)
+        padding = int(self.left_padding[0].item())
+        n = int(self._idx) - padding
+        if n <= 0:
+            return original(self, idx)
+        cache = kv_cache_cls()
+        cache.keys = keys if padding == 0 else keys[..., padding:, :]
+        cache.values = self.values if padding == 0 else self.values[..., padding:, :]
+        cache.offset = n
+        return cache
+
+    extract.__doc__ = adopting_extract.__doc__
+    extract.__kvplugin_original__ = original  # type: ignore[attr-defined]
+    return extract

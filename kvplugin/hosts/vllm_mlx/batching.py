@@ -36,7 +36,8 @@ def check_seams(scheduler: Any, memory_cache: Any, batched: Any, mlc: Any) -> No
     require_attrs(memory_cache.MemoryCacheConfig, "compute_memory_limit")
     require_attrs(batched, "BatchedEngine")
     require_attrs(batched.BatchedEngine, "save_cache_to_disk", "load_cache_from_disk")
-    require_attrs(mlc, "BatchKVCache", "BatchRotatingKVCache", "make_prompt_cache")
+    require_attrs(mlc, "BatchKVCache", "BatchRotatingKVCache", "KVCache", "make_prompt_cache")
+    require_attrs(mlc.BatchKVCache, "merge", "filter", "extract")
 
 
 def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: Any,
@@ -50,6 +51,7 @@ def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: 
     if rt.mode == "batching":  # the batch caches every request is merged into
         for name, step in rt.service.batch_steps().items():
             patches.replace(getattr(mlc, name), "step", step)
+        install_batch_of_one(patches, mlc)
     if not rt.service.may_persist():
         be = batched.BatchedEngine
         patches.replace(be, "save_cache_to_disk", _no_save)
@@ -60,6 +62,17 @@ def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: 
         ):
             if hasattr(be, name):
                 patches.replace(be, name, fn)
+
+
+def install_batch_of_one(patches: PatchRegistry, mlc: Any) -> None:
+    """``BatchKVCache`` merge/filter/extract without their whole-cache copies for one row."""
+    from kvplugin.hosts.mlx_lm_batch import adopting_extract, adopting_merge, whole_batch_filter
+
+    cls = mlc.BatchKVCache
+    own = vars(cls)
+    patches.replace(cls, "merge", adopting_merge(own["merge"].__func__, mlc.KVCache))
+    patches.replace(cls, "filter", whole_batch_filter(own["filter"]))
+    patches.replace(cls, "extract", adopting_extract(own["extract"], mlc.KVCache))
 
 
 def bind_prefix_cache(memory_cache: Any, adapter: Any) -> type:
@@ -99,11 +112,13 @@ class KVPrefixCache:
 
     * ``store`` keys an entry by the tokens its cache really holds (``offset``), trims it,
       quantizes it per kvplugin's settings and hands it to the store (no extra copy of
-      layers trim/quantize already copied; others are detached like the host does).
+      layers trim/quantize already copied; others are detached like the host does). The
+      session learns where the prompt ended from the fetch, so the conversation's previous
+      turn is superseded.
     * ``fetch`` is the store's longest-prefix lookup: a prefix entry is *moved* to the
-      request (no copy; the batch merge is the only copy), a shared prefix of another
-      conversation's entry is copied; at least one token is always left to prefill, so
-      the scheduler never hits its exact-match re-prefill path. Quantized entries come
+      request (no copy; a batch of one adopts it), a shared prefix of another entry is
+      served as views of it (the batch grows into a new buffer); at least one token is
+      always left to prefill, so the scheduler never hits its exact-match re-prefill path. Quantized entries come
       back dequantized.
     * Below the host's ``min_prefix_tokens`` (128) nothing is stored or fetched, as stock.
     """

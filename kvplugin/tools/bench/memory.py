@@ -67,6 +67,7 @@ class RunResult:
     entry_bytes: int
     turns: list[TurnResult] = field(default_factory=list)
     trace: list[dict[str, Any]] = field(default_factory=list)
+    host_tokens_saved: int | None = None  # the host's own count, where usage has none
 
     def _at(self, t: float) -> dict[str, Any]:
         before = [x for x in self.trace if x["t"] <= t]
@@ -94,8 +95,29 @@ class RunResult:
             "warm_ttft_ms": 1000 * sorted(t.ttft_s for t in warm)[len(warm) // 2],
             "cold_ttft_ms": 1000 * self.turns[0].ttft_s,
             "decode_tok_s": sorted(rates)[len(rates) // 2] if rates else None,
-            "tokens_reused": sum(t.cached_tokens or 0 for t in self.turns),
+            "tokens_reused": self.tokens_reused(),
         }
+
+
+    def tokens_reused(self) -> int | None:
+        """``usage.prompt_tokens_details.cached_tokens`` summed over the turns; where no turn
+        reports it (vllm-mlx's chat completions never do), the host's own prefix-cache count
+        (:func:`host_tokens_saved`), else None (unknown, not 0)."""
+        if any(t.cached_tokens is not None for t in self.turns):
+            return sum(t.cached_tokens or 0 for t in self.turns)
+        return self.host_tokens_saved
+
+
+def host_tokens_saved(server: Any) -> int | None:
+    """vllm-mlx's ``GET /v1/status`` ``cache.tokens_saved`` (its prefix cache's count of prompt
+    tokens served from cache; kvplugin's prefix cache reports the same field), or None."""
+    try:
+        status, body = server.request("GET", "/v1/status", timeout=30)
+    except OSError:
+        return None
+    cache = body.get("cache") if status == 200 and isinstance(body, dict) else None
+    saved = cache.get("tokens_saved") if isinstance(cache, dict) else None
+    return int(saved) if isinstance(saved, (int, float)) else None
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
@@ -164,6 +186,7 @@ def run_one(
         # Warm-up: a short unrelated request, so lazily loaded weights and the first graph are
         # in memory before the baseline is taken (then growth is the conversation's alone).
         _turn(server, [{"role": "user", "content": "Hello."}], 2, seed)
+        saved_before = host_tokens_saved(server)
         time.sleep(0.1)
         messages = [{"role": "system", "content": system_prompt}]
         for i in range(turns):
@@ -171,6 +194,9 @@ def run_one(
             turn = _turn(server, messages, max_tokens, seed)
             result.turns.append(turn)
             messages.append({"role": "assistant", "content": turn.text})
+        saved_after = host_tokens_saved(server)
+        if saved_before is not None and saved_after is not None:
+            result.host_tokens_saved = saved_after - saved_before
         time.sleep(0.3)  # let the recorder take a last sample after the final insert
     result.entry_bytes = kv_bytes_per_token(model_dir) * result.turns[0].prompt_tokens
     result.trace = [json.loads(line) for line in trace_path.read_text().splitlines() if line]
@@ -188,7 +214,7 @@ def table(results: Sequence[RunResult], title: str) -> str:
             "-" if s["max_reuse_transient_x"] is None else f"{s['max_reuse_transient_x']:.2f}x",
             f"{s['held_after_mib']:.0f} MiB", f"{s['warm_ttft_ms']:.0f} ms",
             "-" if s["decode_tok_s"] is None else f"{s['decode_tok_s']:.1f}",
-            str(s["tokens_reused"]),
+            "-" if s["tokens_reused"] is None else str(s["tokens_reused"]),
         ])
     return format_table(
         ["server (measured in this run)", "VmHWM growth", "from 1st reuse", "MLX transient",

@@ -1,0 +1,42 @@
+"""``kvplugin bench --server --memory``: where the prompt tokens reused come from.
+
+Why: vllm-mlx's chat completions carry no ``usage.prompt_tokens_details.cached_tokens``, so
+summing usage said "0 reused" for stock and kvplugin alike on ``--continuous-batching``,
+although both reuse; the host's own prefix-cache count (``/v1/status``) is read instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvplugin.tools.bench.memory import RunResult, TurnResult, host_tokens_saved
+
+
+def turn(cached: int | None) -> TurnResult:
+    return TurnResult(start=0.0, end=1.0, prompt_tokens=10, cached_tokens=cached, ttft_s=0.1,
+                      decode_tok_s=None, text="x")
+
+
+def test_usage_wins_when_the_host_reports_it():
+    r = RunResult("k", "k", 1, turns=[turn(0), turn(5), turn(None)], host_tokens_saved=99)
+    assert r.tokens_reused() == 5
+
+
+def test_without_usage_the_hosts_own_count_is_used_and_unknown_is_not_zero():
+    assert RunResult("k", "k", 1, turns=[turn(None)] * 3, host_tokens_saved=42).tokens_reused() == 42
+    assert RunResult("k", "k", 1, turns=[turn(None)] * 3).tokens_reused() is None
+
+
+class FakeServer:
+    def __init__(self, status: int, body: Any) -> None:
+        self.answer = (status, body)
+
+    def request(self, method: str, path: str, timeout: float | None = None) -> tuple[int, Any]:
+        assert (method, path) == ("GET", "/v1/status")
+        return self.answer
+
+
+def test_host_tokens_saved_reads_v1_status():
+    assert host_tokens_saved(FakeServer(200, {"cache": {"tokens_saved": 5481}})) == 5481
+    assert host_tokens_saved(FakeServer(200, {"cache": None})) is None
+    assert host_tokens_saved(FakeServer(404, "not found")) is None
