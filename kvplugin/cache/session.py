@@ -36,6 +36,7 @@ from kvplugin.cache.pressure import AdmissionControl
 from kvplugin.cache.release import mlx_memory
 from kvplugin.cache.store import PromptStore
 from kvplugin.cache.tiers import remote_stats
+from kvplugin.cache.tiers.shutdown import ShutdownOnlyTier
 from kvplugin.cache.validate import ModelChecker
 from kvplugin.settings import KVPluginSettings, masked_url
 
@@ -77,44 +78,6 @@ def _entry_codec(entry: list) -> str:
 
     names = sorted({codec_name(layer) for layer in entry if layer_bits(layer) is not None})
     return "+".join(names) if names else "full"
-
-
-class _ShutdownOnlyTier:
-    """A cold tier written only when the host persists (shut-down), read at any time.
-
-    Why: a host that saves its prompt cache at shut-down and loads it at start-up (vllm-mlx)
-    expects evictions while serving to be discarded, as its own cache does; only the
-    shut-down save writes.
-    """
-
-    def __init__(self, tier: Any) -> None:
-        self.tier = tier
-        self.accept_puts = False
-
-    def put(self, model_key: Any, tokens: Sequence[int], cache: list) -> bool:
-        return self.accept_puts and bool(self.tier.put(model_key, tokens, cache))
-
-    def fetch(self, model_key: Any, tokens: Sequence[int]) -> Any:
-        return self.tier.fetch(model_key, tokens)
-
-    def discard(self, cache: list) -> None:
-        discard = getattr(self.tier, "discard", None)
-        if discard is not None:
-            discard(cache)
-
-    def probe(self, model_key: Any, tokens: Sequence[int]) -> int | None:
-        probe = getattr(self.tier, "probe", None)
-        return probe(model_key, tokens) if probe is not None else None
-
-    def close(self) -> None:
-        self.tier.close()
-
-    def __len__(self) -> int:
-        return len(self.tier)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.tier.nbytes)
 
 
 def _configure_once(hook: Any, settings: KVPluginSettings, host: str) -> bool:
@@ -442,7 +405,7 @@ class KVService:
                 tier = self._tier_at(Path(directory))
                 if tier is None:
                     return 0
-                self.store.attach_cold(_ShutdownOnlyTier(tier))
+                self.store.attach_cold(ShutdownOnlyTier(tier))
             cold = self.store.cold
         try:
             return len(cold)
@@ -461,20 +424,20 @@ class KVService:
                 tier = self._tier_at(Path(directory))
                 if tier is None:
                     return False
-                self.store.attach_cold(_ShutdownOnlyTier(tier))
+                self.store.attach_cold(ShutdownOnlyTier(tier))
             cold = self.store.cold
-            if isinstance(cold, _ShutdownOnlyTier):
+            if isinstance(cold, ShutdownOnlyTier):
                 cold.accept_puts = True
         try:
             return self.store.flush()
         finally:
-            if isinstance(cold, _ShutdownOnlyTier):
+            if isinstance(cold, ShutdownOnlyTier):
                 cold.accept_puts = False
 
     def flush_configured(self) -> bool:
         """Spill the hot entries to a configured cold tier (``--ssd-cache-dir``) at an engine
         stop, so they survive a restart. Not to a persistence tier (that is :meth:`persist`)."""
-        if isinstance(self.store.cold, _ShutdownOnlyTier):
+        if isinstance(self.store.cold, ShutdownOnlyTier):
             return False
         return self.store.flush()
 
