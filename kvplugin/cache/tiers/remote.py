@@ -48,6 +48,13 @@ _BACKOFF_FIRST_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _RESEND_AFTER_S = 60.0
 _REFUSAL_LOG_S = 60.0
+# GET, unless the value is over the size bound (then its length): an oversized value is
+# refused without crossing the network (one round trip either way).
+_GET_BOUNDED = """
+local n = redis.call('STRLEN', KEYS[1])
+if n > tonumber(ARGV[1]) then return n end
+return redis.call('GET', KEYS[1])
+"""
 _COUNTERS = ("hits", "misses", "errors", "timeouts", "corrupt", "stale", "invalid",
              "too_large", "refused", "dropped", "puts", "bytes_read", "bytes_written")
 
@@ -86,6 +93,7 @@ class RemoteTier:
         self.queue_bytes = queue_bytes
         self._lookup = _client(url, self.timeout_s, self.timeout_s)
         self._values = _client(url, self.fetch_timeout_s, self.timeout_s)
+        self._get_bounded = self._values.register_script(_GET_BOUNDED)
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._fetch_seconds = 0.0
@@ -278,9 +286,12 @@ class RemoteTier:
             if name:
                 if end <= have:
                     return None
-                raw = self._values.get(name)
+                raw = self._get_bounded(keys=[name], args=[self.max_value_bytes])
                 if raw is None:  # the value expired or was evicted before its pointer
                     self._count("stale")
+                    return None
+                if isinstance(raw, int):  # over the bound: never downloaded
+                    self._count("too_large")
                     return None
                 return name.decode(), raw
         return None
