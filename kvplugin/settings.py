@@ -204,9 +204,10 @@ class KVPluginSettings(BaseSettings):
         json_schema_extra={"allowed": "an integer > 0"},
     )
     kv_cache_remote_fetch_timeout_ms: int = Field(
-        1000,
+        5000,
         description="The longest a request waits for one entry's bytes from the remote tier "
-        "(the lookup included); past it the request prefills locally.",
+        "(the lookup included); past it the request prefills locally. A Redis that stops "
+        "sending is given up sooner (no byte for max(4 x the timeout, 250 ms)).",
         json_schema_extra={"allowed": "an integer > 0"},
     )
     kv_cache_remote_ttl_s: int = Field(

@@ -74,7 +74,7 @@ class RemoteTier:
     """A :class:`kvplugin.types.ColdTier` on Redis, written through by ``publish``."""
 
     def __init__(self, url: str, *, entry_format: str, timeout_ms: int = 50,
-                 fetch_timeout_ms: int = 1000, ttl_s: int = 3600, block_tokens: int = 128,
+                 fetch_timeout_ms: int = 5000, ttl_s: int = 3600, block_tokens: int = 128,
                  max_value_bytes: int = 512_000_000, queue_bytes: int = 256_000_000) -> None:
         try:
             import redis  # noqa: F401
@@ -92,7 +92,11 @@ class RemoteTier:
         self.max_value_bytes = max_value_bytes
         self.queue_bytes = queue_bytes
         self._lookup = _client(url, self.timeout_s, self.timeout_s)
-        self._values = _client(url, self.fetch_timeout_s, self.timeout_s)
+        # Values: a large entry takes a while as a whole (the fetch deadline bounds that),
+        # but a Redis that stops sending is given up after a short silence.
+        self.stall_s = min(self.fetch_timeout_s, max(4 * self.timeout_s, 0.25))
+        self._values = _client(url, self.stall_s, self.timeout_s)
+        self._writes = _client(url, self.fetch_timeout_s, self.timeout_s)  # nobody waits
         self._get_bounded = self._values.register_script(_GET_BOUNDED)
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -243,7 +247,7 @@ class RemoteTier:
             view = None
             try:
                 if kind == "delete":
-                    self._values.delete(key)
+                    self._writes.delete(key)
                     continue
                 if not self._available():
                     self._count("dropped")
@@ -252,7 +256,7 @@ class RemoteTier:
                 if len(view) > self.max_value_bytes:
                     self._count("too_large")
                     continue
-                pipe = self._values.pipeline(transaction=False)
+                pipe = self._writes.pipeline(transaction=False)
                 pipe.set(key, view, ex=self.ttl_s)
                 for p in pointers:
                     pipe.set(p, key, ex=self.ttl_s)
@@ -394,7 +398,7 @@ class RemoteTier:
         self._writer.join(timeout_s)
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for client in (self._lookup, self._values):
+        for client in (self._lookup, self._values, self._writes):
             try:
                 client.close()
             except Exception:
