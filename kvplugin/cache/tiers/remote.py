@@ -48,13 +48,6 @@ _BACKOFF_FIRST_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _RESEND_AFTER_S = 60.0
 _REFUSAL_LOG_S = 60.0
-# GET, unless the value is over the size bound (then its length): an oversized value is
-# refused without crossing the network (one round trip either way).
-_GET_BOUNDED = """
-local n = redis.call('STRLEN', KEYS[1])
-if n > tonumber(ARGV[1]) then return n end
-return redis.call('GET', KEYS[1])
-"""
 _COUNTERS = ("hits", "misses", "errors", "timeouts", "corrupt", "stale", "invalid",
              "too_large", "refused", "dropped", "puts", "bytes_read", "bytes_written")
 
@@ -97,7 +90,6 @@ class RemoteTier:
         self.stall_s = min(self.fetch_timeout_s, max(4 * self.timeout_s, 0.25))
         self._values = _client(url, self.stall_s, self.timeout_s)
         self._writes = _client(url, self.fetch_timeout_s, self.timeout_s)  # nobody waits
-        self._get_bounded = self._values.register_script(_GET_BOUNDED)
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._fetch_seconds = 0.0
@@ -258,8 +250,8 @@ class RemoteTier:
                     continue
                 pipe = self._writes.pipeline(transaction=False)
                 pipe.set(key, view, ex=self.ttl_s)
-                for p in pointers:
-                    pipe.set(p, key, ex=self.ttl_s)
+                for p in pointers:  # the value's size rides along: checked before a GET
+                    pipe.set(p, f"{key}|{len(view)}", ex=self.ttl_s)
                 pipe.execute()
                 with self._lock:
                     self.counters["puts"] += 1
@@ -290,14 +282,15 @@ class RemoteTier:
             if name:
                 if end <= have:
                     return None
-                raw = self._get_bounded(keys=[name], args=[self.max_value_bytes])
+                key, _, size = name.decode(errors="replace").rpartition("|")
+                if not size.isdigit() or int(size) > self.max_value_bytes:
+                    self._count("too_large")  # over the bound (or no size): never downloaded
+                    return None
+                raw = self._values.get(key)
                 if raw is None:  # the value expired or was evicted before its pointer
                     self._count("stale")
                     return None
-                if isinstance(raw, int):  # over the bound: never downloaded
-                    self._count("too_large")
-                    return None
-                return name.decode(), raw
+                return key, raw
         return None
 
     def fetch(self, model_key: str, tokens: Sequence[int], *,
