@@ -66,11 +66,20 @@ def test_narrowed_entries_are_refused_in_both_modes(tiny_model, tmp_path_factory
 FAILED = (harness.ServerHTTPError, OSError)
 
 
+def _request_failed(srv: harness.ServerProcess) -> bool:
+    """Whether the host failed this request. vllm-mlx 0.6 answers an error status; 0.5's
+    continuous-batching scheduler recovers from the generation error itself ("aborted 1
+    running requests") and answers 200 with no tokens at all: failed too, in its own way."""
+    try:
+        reply = srv.chat(HISTORY, max_tokens=10)
+    except FAILED:
+        return True
+    return answer_text(reply) == ""
+
+
 def test_an_error_while_the_host_uses_an_entry_costs_one_request(tiny_model, tmp_path_factory):
     """An entry that breaks only inside vllm-mlx (a plugin hands it over after every check):
     that request fails, the next ones are served, in both modes."""
-    import pytest
-
     for extra in ((), CB):
         env, trigger = faults.breaking_plugin(tmp_path_factory.mktemp("plugin"))
         port = harness.free_port()
@@ -80,8 +89,7 @@ def test_an_error_while_the_host_uses_an_entry_costs_one_request(tiny_model, tmp
         try:
             want = answer_text(srv.chat(HISTORY, max_tokens=10))
             trigger.touch()
-            with pytest.raises(FAILED):
-                srv.chat(HISTORY, max_tokens=10)
+            assert _request_failed(srv), extra
             assert not trigger.exists()
             assert answer_text(srv.chat(HISTORY, max_tokens=10)) == want, extra
             assert answer_text(srv.chat([SYSTEM, {"role": "user", "content": "Hi"}],
