@@ -23,6 +23,10 @@ import harness
 import pytest
 from harness import run_command, server_env
 
+# kvplugin's own tooling, not a host seam: tox runs it on the newest tested host version only
+pytestmark = pytest.mark.tooling
+
+
 
 @pytest.fixture(scope="module")
 def kvplugin_cmd() -> list[str]:

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvplugin.tools.bench import memory
+
+# kvplugin's own tooling, not a host seam: tox runs it on the newest tested host version only
+pytestmark = pytest.mark.tooling
 
 
 def test_memory_bench_measures_stock_and_kvplugin(tiny_model, tmp_path):

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvplugin.tools.bench import remote
+
+# kvplugin's own tooling, not a host seam: tox runs it on the newest tested host version only
+pytestmark = pytest.mark.tooling
 
 
 def test_remote_bench_measures_a_warm_hit_on_the_other_replica(tmp_path):

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvplugin import cli
+
+# kvplugin's own tooling, not a host seam: tox runs it on the newest tested host version only
+pytestmark = pytest.mark.tooling
 
 
 def test_bound_bench_reports_every_cache(tmp_path):

@@ -15,6 +15,10 @@ pytest.importorskip("mlx_lm")
 
 from kvplugin.tools.bench import engine  # noqa: E402
 
+# kvplugin's own tooling, not a host seam: tox runs it on the newest tested host version only
+pytestmark = pytest.mark.tooling
+
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):

@@ -13,6 +13,10 @@ pytest.importorskip("mlx_lm")
 from kvplugin.tools.models import quality as qm  # noqa: E402
 from kvplugin.tools.bench import quality  # noqa: E402
 
+# kvplugin's own tooling, not a host seam: tox runs it on the newest tested host version only
+pytestmark = pytest.mark.tooling
+
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

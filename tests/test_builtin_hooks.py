@@ -11,16 +11,8 @@ from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
 from kvplugin.hookspecs import hookimpl
 from kvplugin.settings import SettingsError, resolve_settings
 
-H, D = 2, 64
-
-
-def filled_cache(tokens: int, layers: int = 2) -> list:
-    cache = [KVCache() for _ in range(layers)]
-    for c in cache:
-        k = mx.random.normal((1, H, tokens, D)).astype(mx.float16)
-        c.update_and_fetch(k, k)
-    mx.eval([c.keys for c in cache])
-    return cache
+from kvcaches import D, H
+from kvcaches import filled as filled_cache
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ The direct calls of each hook are in test_builtin_hooks.py; these go through
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -17,16 +16,7 @@ from kvplugin.cache.session import KVService
 from kvplugin.hookspecs import hookimpl
 from kvplugin.settings import SettingsError, resolve_settings
 
-H, D = 2, 64
-
-
-def filled(tokens: int, layers: int = 2) -> list:
-    cache = [KVCache() for _ in range(layers)]
-    for c in cache:
-        k = mx.random.normal((1, H, tokens, D)).astype(mx.float16)
-        c.update_and_fetch(k, k)
-    mx.eval([c.keys for c in cache])
-    return cache
+from kvcaches import filled
 
 
 class Recorder:

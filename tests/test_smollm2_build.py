@@ -22,6 +22,10 @@ import pytest
 from kvplugin.tools import blas
 from kvplugin.tools.models import gguf, realtext, smollm2
 
+# kvplugin's own tooling, not a host seam: tox runs it on the newest tested host version only
+pytestmark = pytest.mark.tooling
+
+
 # Published geometry of SmolLM2-135M (its model card / Hugging Face config.json).
 SMOLLM2_135M = {
     "num_hidden_layers": 30,

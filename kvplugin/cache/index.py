@@ -11,11 +11,13 @@ Pure Python: no mlx, nothing of the engine.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["KeyIndex", "PrefixTrie", "choose", "to_key"]
+__all__ = ["KeyIndex", "PrefixTrie", "choose", "to_key", "tokens_bytes"]
 
 
 def to_key(tokens: Iterable[int] | Any) -> tuple:
@@ -23,6 +25,15 @@ def to_key(tokens: Iterable[int] | Any) -> tuple:
     if not isinstance(tokens, (list, tuple)) and hasattr(tokens, "tolist"):
         tokens = tokens.reshape(-1).tolist() if hasattr(tokens, "reshape") else tokens.tolist()
     return tuple(map(int, tokens))
+
+
+def tokens_bytes(tokens: Sequence[int]) -> bytes:
+    """Tokens as little-endian int64 bytes: what an entry's name (SSD file, Redis key) is a
+    hash of, so that the same tokens name the same entry on every machine."""
+    a = array("q", tokens)
+    if sys.byteorder == "big":  # pragma: no cover - every platform MLX runs on is little
+        a.byteswap()
+    return a.tobytes()
 
 
 # ------------------------------------------------------------------- radix trie

@@ -17,17 +17,14 @@ glued back; one value per entry keeps every layer kind and codec the SSD tier al
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections.abc import Sequence
+
+from kvplugin.cache.index import tokens_bytes
 
 __all__ = ["PREFIX", "Namespace", "block_ends", "namespace_of"]
 
 #: Every key kvplugin writes starts with this (``redis-cli --scan --pattern 'kvp1:*'``).
 PREFIX = "kvp1"
-
-
-def _tokens_bytes(tokens: Sequence[int]) -> bytes:
-    return array("q", tokens).tobytes()  # little-endian on every platform MLX runs on
 
 
 def shared_model_key(model_key: str) -> str:
@@ -69,12 +66,12 @@ class Namespace:
         chain = b""
         for start in range(0, len(tokens) - self.block + 1, self.block):
             h = hashlib.blake2b(chain, digest_size=16)
-            h.update(_tokens_bytes(tokens[start:start + self.block]))
+            h.update(tokens_bytes(tokens[start:start + self.block]))
             chain = h.digest()
             out.append((start + self.block, f"{self.name}:p:{chain.hex()}"))
         return out
 
     def entry_key(self, tokens: Sequence[int]) -> str:
         """The value key of an entry holding exactly ``tokens``."""
-        h = hashlib.blake2b(_tokens_bytes(tokens), digest_size=20)
+        h = hashlib.blake2b(tokens_bytes(tokens), digest_size=20)
         return f"{self.name}:e:{h.hexdigest()}"

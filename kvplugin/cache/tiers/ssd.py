@@ -97,7 +97,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvplugin.cache.index import KeyIndex, to_key
+from kvplugin.cache.index import KeyIndex, to_key, tokens_bytes
 from kvplugin.cache.layers import can_copy_prefix, copy_prefix
 from kvplugin.cache.serialize import Corrupt, Unsupported, deserialize_cache, serialize_cache
 from kvplugin.cache.tiers.ssd_dir import DirView, dir_lock, leftover_name, make_room, scan
@@ -139,14 +139,7 @@ def tensor_digest(arrays: dict) -> str:
 
 
 def _key_name(key: tuple) -> str:
-    return hashlib.sha256(_tokens_bytes(key)).hexdigest()[:40] + SUFFIX
-
-
-def _tokens_bytes(key: tuple) -> bytes:
-    a = array("q", key)
-    if sys.byteorder == "big":  # pragma: no cover
-        a.byteswap()
-    return a.tobytes()
+    return hashlib.sha256(tokens_bytes(key)).hexdigest()[:40] + SUFFIX
 
 
 def _read_header(path: Path) -> tuple[dict, dict]:
