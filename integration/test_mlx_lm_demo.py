@@ -27,7 +27,6 @@ from harness import run_command, server_env
 pytestmark = pytest.mark.tooling
 
 
-
 @pytest.fixture(scope="module")
 def kvplugin_cmd() -> list[str]:
     harness.host_version("mlx-lm")

@@ -19,7 +19,6 @@ from kvplugin.tools.bench import engine  # noqa: E402
 pytestmark = pytest.mark.tooling
 
 
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine")

@@ -17,7 +17,6 @@ from kvplugin.tools.bench import quality  # noqa: E402
 pytestmark = pytest.mark.tooling
 
 
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("quality")
