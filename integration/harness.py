@@ -103,14 +103,25 @@ def briefing(i: int) -> dict:
     return {"role": "system", "content": f"Briefing {i}. {text}"}
 
 
-def wait_published(srv: ServerProcess, n: int, timeout: float = 30.0) -> dict:
-    """Wait until ``srv`` has written ``n`` entries to the remote tier; its stats."""
+def wait_published(srv: ServerProcess, n: int, timeout: float = 30.0,
+                   quiet: float = 1.0) -> dict:
+    """Wait until ``srv`` has written ``n`` entries to the remote tier and then gone
+    ``quiet`` seconds with nothing queued and no further write; its stats.
+
+    The host may store more than one entry per request (mlx-lm 0.32's batched path stores
+    the system-prompt segment, then the whole conversation once the answer is sent), so
+    the n-th write alone does not mean the request's writes are done."""
     import time
 
     deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
     while True:
         stats = srv.get("/kvplugin/stats")
-        if stats["remote_puts"] >= n:
+        state = (stats["remote_puts"], stats["remote_queued_bytes"])
+        if state != last:
+            last, since = state, time.monotonic()
+        elif (stats["remote_puts"] >= n and not stats["remote_queued_bytes"]
+              and time.monotonic() - since >= quiet):
             return stats
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
