@@ -6,17 +6,21 @@ The direct calls of each hook are in test_builtin_hooks.py; these go through
 
 from __future__ import annotations
 
+import gc
+
+import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvplugin import plugins
+from kvplugin.cache.quantize import dequantize_entry, quantize_entry
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.checks import host_option_conflict, model_problem
 from kvplugin.cache.session import KVService
 from kvplugin.hookspecs import hookimpl
 from kvplugin.settings import SettingsError, resolve_settings
 
-from kvcaches import filled
+from kvcaches import D, H, filled
 
 
 class Recorder:
@@ -99,6 +103,66 @@ def test_trim_and_quantize_fire_on_insert_and_dequantize_on_fetch(pm, rec):
     cache, n = s.fetch("m", list(range(40)) + [7])
     assert n == 40 and rec.calls[-1] == ("dequantize", 2)
     assert type(cache[0]) is KVCache
+
+
+def _peak_rise(work) -> int:
+    """How far MLX's active memory rose above its level before ``work()`` (bytes)."""
+    gc.collect()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    work()
+    return mx.get_peak_memory() - before
+
+
+def test_a_reused_quantized_entry_is_freed_layer_by_layer_as_it_is_restored(pm):
+    """A fetch peaks at the restored copy plus a stored layer, not at both whole entries:
+    the snapshot the store keeps of a moved entry (for a concurrent request) held every
+    stored layer until the turn's own entry superseded it."""
+    s = session(pm, kv_cache_quantization=True, kv_cache_quantization_bits=8,
+                kv_cache_min_quantize_tokens=0)
+    layers, tokens = 16, 512
+    assert s.insert("m", list(range(tokens)), filled(tokens, layers))
+    stored = s.store.entries()[0].nbytes
+    full = layers * 2 * H * tokens * D * 2  # fp16 keys and values
+    assert stored < 0.6 * full
+    one_layer = _peak_rise(lambda: dequantize_entry(
+        quantize_entry(filled(tokens, 1), bits=8, group_size=64).cache, consume=True))
+    cache, n = None, 0
+
+    def fetch():
+        nonlocal cache, n
+        cache, n = s.fetch("m", list(range(tokens)) + [7])
+
+    rise = _peak_rise(fetch)
+    assert n == tokens and all(type(c) is KVCache for c in cache)
+    # restored layers are new memory; each stored one goes once it is replaced
+    assert rise <= full - stored + one_layer + stored // layers, (rise, full, stored, one_layer)
+    # the snapshot still serves a concurrent request of this thread, at full precision
+    again, m = s.fetch("m", list(range(tokens)) + [8])
+    assert m == tokens and all(type(c) is KVCache for c in again)
+    assert s.store.stats().lent_copies == 1
+    assert mx.array_equal(again[3].keys[..., :tokens, :], cache[3].keys[..., :tokens, :])
+
+
+def test_the_next_turn_of_a_reused_entry_is_quantized_layer_by_layer(pm):
+    """Storing a conversation's next turn frees each full-precision layer as its quantized
+    copy is made: the snapshot lent at the fetch (the live layers themselves) is settled
+    first, not after the whole new entry exists beside the old one."""
+    s = session(pm, kv_cache_quantization=True, kv_cache_quantization_bits=8,
+                kv_cache_min_quantize_tokens=0)
+    layers, tokens = 16, 512
+    assert s.insert("m", list(range(tokens)), filled(tokens, layers))
+    cache, n = s.fetch("m", list(range(tokens + 16)))
+    for layer in cache:  # the host runs the next turn: 16 more tokens
+        k = mx.zeros((1, H, 16, D), dtype=mx.float16)
+        layer.update_and_fetch(k, k)
+    mx.eval([c.keys for c in cache])
+    one_layer = _peak_rise(lambda: quantize_entry(filled(tokens + 16, 1), bits=8,
+                                                  group_size=64, consume=True))
+    rise = _peak_rise(lambda: s.insert("m", list(range(tokens + 16)), cache))
+    stored = s.store.entries()[0].nbytes
+    assert len(s.store) == 1 and s.store.entries()[0].tokens == tuple(range(tokens + 16))
+    assert rise <= one_layer + 2 * stored // layers, (rise, stored, one_layer)
 
 
 def test_on_evict_fires_when_the_budget_evicts(pm, rec):

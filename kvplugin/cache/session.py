@@ -194,6 +194,7 @@ class KVService:
 
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
+        self.store.settle_lent(model_key, tokens, cache)  # so its layers go as they are cut
         entry = self.prepare_entry(cache, len(tokens))
         if entry is not cache:
             # The host may keep its list object a while (mlx-lm's loop holds the last
@@ -332,7 +333,8 @@ class KVService:
 
         quantized = sum(layer_bits(layer) is not None for layer in cache)
         try:
-            restored = self.restore_precision(cache)  # may change `cache` in place
+            restored = (self.store.restore_moved(cache, self.restore_precision) if quantized
+                        else self.restore_precision(cache))  # may change `cache` in place
         except UnknownCodec as e:  # written by another kvplugin version: a miss, never misread
             log.warning("kvplugin: stored entry not used (%s); treated as a miss", e)
             self._event("miss", len(tokens))

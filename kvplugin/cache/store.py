@@ -143,14 +143,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvplugin.cache.index import KeyIndex, to_key
-from kvplugin.cache.layers import (can_copy_prefix, copy_lent, copy_prefix, entry_nbytes,
-                                   is_trimmable, lend_view)
+from kvplugin.cache.layers import can_copy_prefix, copy_lent, copy_prefix, entry_nbytes, is_trimmable
+from kvplugin.cache.lent import MAX_LENT, Lent
 from kvplugin.types import ColdTier, StoreEntry
 
 __all__ = ["ColdTier", "MAX_LENT", "PromptStore", "StoreEntry", "StoreStats"]
 
 #: Snapshots of lent entries held at once (requests in flight that may share a prefix).
-MAX_LENT = 8
 
 log = logging.getLogger("kvplugin.cache")
 
@@ -229,8 +228,7 @@ class PromptStore:
         self._lock = threading.RLock()
         self._index = KeyIndex(size=lambda e: e.nbytes)  # (model_key, tokens) -> StoreEntry
         self._owner: dict[int, StoreEntry] = {}  # id(first layer) -> entry holding it
-        self._lent: list[StoreEntry] = []  # snapshots of entries moved out (oldest first)
-        self._lent_thread: dict[int, int] = {}  # id(snapshot) -> the thread that lent it
+        self._lent = Lent()  # snapshots of entries moved out
         self._c = dict.fromkeys(
             (
                 "stored hits misses evictions spills cold_hits discarded moved copied "
@@ -352,13 +350,7 @@ class PromptStore:
                 for layer in entry.cache:
                     layer.trim(extra)
             self._c["moved"] += 1
-            lent = StoreEntry(entry.model_key, entry.tokens[:n], lend_view(entry.cache),
-                              entry.nbytes, entry.prompt_len)
-            self._lent.append(lent)
-            self._lent_thread[id(lent)] = threading.get_ident()
-            for old in self._lent[:-MAX_LENT]:
-                self._lent_thread.pop(id(old), None)
-            del self._lent[:-MAX_LENT]
+            self._lent.lend(entry, n)
             return entry.cache, n
         cache = copy_prefix(entry.cache, n, share=True)  # views: the donor stays stored
         if cache is None:
@@ -369,35 +361,9 @@ class PromptStore:
         self._c["copied"] += 1
         return cache, n
 
-    def _lent_plan(self, model_key, key) -> tuple[StoreEntry, int, bool] | None:
-        """Under the lock: the lent snapshot holding most of ``key``: (snapshot, n, whole).
-
-        Only what this thread lent: a lent layer may be the owner's live one, whose newest
-        arrays MLX evaluates on the owner thread's stream (another thread gets "no Stream in
-        current thread", or worse). Every host runs its model, fetches included, in one
-        thread, so this costs nothing there."""
-        best = None
-        me = threading.get_ident()
-        for lent in self._lent:
-            if lent.model_key != model_key or self._lent_thread.get(id(lent)) != me:
-                continue
-            held = lent.tokens
-            common = 0
-            for a, b in zip(held, key):
-                if a != b:
-                    break
-                common += 1
-            n = min(common, len(key) - 1)
-            whole = n == len(held)
-            if n < 1 or not (whole or can_copy_prefix(lent.cache, n)):
-                continue
-            if best is None or n > best[1]:
-                best = (lent, n, whole)
-        return best
-
     def _serve(self, plan, model_key, key) -> tuple[list | None, int]:
         """Under the lock: the hot plan, or a lent copy when that holds more; counted."""
-        lent = self._lent_plan(model_key, key) if self._lent else None
+        lent = self._lent.best(model_key, key) if self._lent else None
         if lent is not None and lent[1] > (plan[2] if plan else 0):
             snap, n, whole = lent
             cache = copy_lent(snap.cache, n, whole=whole)
@@ -406,22 +372,6 @@ class PromptStore:
                 self._hit(n)
                 return cache, n
         return self._serve_hot(plan)
-
-    def _return_lent(self, model_key, key: tuple, cache: list) -> list[StoreEntry]:
-        """Under the lock, at an insert of ``key``: settle the snapshots it continues.
-        Returns the ones to store again (see *Contention*)."""
-        keep, settled = [], []
-        for lent in self._lent:
-            n = len(lent.tokens)
-            if lent.model_key != model_key or len(key) <= n or key[:n] != lent.tokens:
-                keep.append(lent)
-            elif lent.prompt_len is None and not (is_trimmable(cache)
-                                                  and can_copy_prefix(cache, n)):
-                settled.append(lent)
-        self._lent = keep
-        live = {id(lent) for lent in keep}
-        self._lent_thread = {k: v for k, v in self._lent_thread.items() if k in live}
-        return settled
 
     def _hit(self, n: int) -> None:
         self._c["hits"] += 1
@@ -471,13 +421,7 @@ class PromptStore:
                         self._c["replaced"] += 1
                 self._owner[id(cache[0])] = entry
                 self._c["stored"] += 1
-                for lent in self._return_lent(model_key, key, cache):
-                    kept = copy_lent(lent.cache, len(lent.tokens), whole=True)
-                    if kept is not None and self._index.get(model_key, lent.tokens) is None:
-                        again = StoreEntry(model_key, lent.tokens, kept, entry_nbytes(kept))
-                        self._index.add(model_key, lent.tokens, again)
-                        self._owner[id(kept[0])] = again
-                        self._c["lent_kept"] += 1
+                self.settle_lent(model_key, key, cache)
                 if is_trimmable(cache):
                     for _, prev in self._index.prefixes_of(model_key, key):
                         if prev.cache[0] is not cache[0]:
@@ -556,6 +500,36 @@ class PromptStore:
                 self._c["cold_hits"] += 1
                 return got
             return self._serve(self._plan(model_key, key), model_key, key)
+
+    def settle_lent(self, model_key: str, tokens: Sequence[int], cache: list) -> None:
+        """Settle the lent snapshots that an entry of ``tokens`` holding ``cache`` continues
+        (see *Contention*). :meth:`insert` does; a caller about to trim or quantize ``cache``
+        does it first: a snapshot holds the host's live layers themselves, which would then
+        stay whole until the new entry is made, beside it."""
+        key = to_key(tokens)
+        with self._lock:
+            for lent in self._lent.settle(model_key, key, cache):
+                kept = copy_lent(lent.cache, len(lent.tokens), whole=True)
+                if kept is not None and self._index.get(model_key, lent.tokens) is None:
+                    again = StoreEntry(model_key, lent.tokens, kept, entry_nbytes(kept))
+                    self._index.add(model_key, lent.tokens, again)
+                    self._owner[id(kept[0])] = again
+                    self._c["lent_kept"] += 1
+
+    def restore_moved(self, cache: list, restore: Callable[[list], list]) -> list:
+        """``restore(cache)`` (a dequantization) for a ``cache`` this store just handed out,
+        its lent snapshot taken back meanwhile and then pointed at the result.
+
+        Why: the snapshot holds the stored layers themselves, so during the restore none of
+        them could be freed: measured on a real server, the quantized entry stayed whole
+        beside its dequantized copy until the turn's own entry superseded it."""
+        with self._lock:
+            loan = self._lent.take(cache)
+        restored = restore(cache)
+        if loan is not None:
+            with self._lock:
+                self._lent.give_back(loan, restored)
+        return restored
 
     def _fetch_cold(self, model_key, key, have: int = 0):
         """Outside the lock.  (cache, n) with 1 <= n < len(key), or None. ``have``: what

@@ -1,0 +1,125 @@
+"""What the hot tier keeps of the entries it moved out to requests ("lent" snapshots).
+
+An entry reused by a move is the requesting conversation's now, yet a concurrent request may
+want the same prefix (stock deep-copies for both). So a move records a
+:func:`~kvplugin.cache.layers.lend_view` of what it hands out: append-only layers themselves
+(free to hold), every other layer as a snapshot. A later fetch of this thread may copy from it
+(:meth:`Lent.best`); the insert that continues it settles it (:meth:`Lent.settle`).
+
+Not thread-safe: :class:`~kvplugin.cache.store.PromptStore` calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from kvplugin.cache.layers import can_copy_prefix, is_trimmable, lend_view
+from kvplugin.types import StoreEntry
+
+__all__ = ["MAX_LENT", "Lent", "Loan"]
+
+MAX_LENT = 8
+
+
+@dataclass
+class Loan:
+    """A snapshot taken back while its entry is restored (see :meth:`Lent.take`): no arrays."""
+
+    entry: StoreEntry
+    thread: int | None
+
+
+class Lent:
+    """At most :data:`MAX_LENT` snapshots, oldest first, each with the thread that lent it."""
+
+    def __init__(self) -> None:
+        self._snaps: list[StoreEntry] = []
+        self._thread: dict[int, int] = {}  # id(snapshot) -> the thread that lent it
+        self._source: dict[int, int] = {}  # id(snapshot) -> id(the list handed out)
+
+    def __len__(self) -> int:
+        return len(self._snaps)
+
+    def lend(self, entry: StoreEntry, n: int, *, thread: int | None = None) -> None:
+        """Record that ``entry.cache`` (cut to ``n`` tokens) was handed to this thread."""
+        snap = StoreEntry(entry.model_key, entry.tokens[:n], lend_view(entry.cache),
+                          entry.nbytes, entry.prompt_len)
+        self._add(snap, threading.get_ident() if thread is None else thread, entry.cache)
+
+    def _add(self, snap: StoreEntry, thread: int, handed_out: list) -> None:
+        self._snaps.append(snap)
+        self._thread[id(snap)] = thread
+        self._source[id(snap)] = id(handed_out)
+        del self._snaps[:-MAX_LENT]
+        self._forget_dropped()
+
+    def _forget_dropped(self) -> None:
+        live = {id(s) for s in self._snaps}
+        self._thread = {k: v for k, v in self._thread.items() if k in live}
+        self._source = {k: v for k, v in self._source.items() if k in live}
+
+    def best(self, model_key: Hashable, key: tuple) -> tuple[StoreEntry, int, bool] | None:
+        """The snapshot holding most of ``key``: ``(snapshot, n, whole)``.
+
+        Only what this thread lent: a lent layer may be the owner's live one, whose newest
+        arrays MLX evaluates on the owner thread's stream (another thread gets "no Stream in
+        current thread", or worse). Every host runs its model, fetches included, in one
+        thread, so this costs nothing there."""
+        best = None
+        me = threading.get_ident()
+        for snap in self._snaps:
+            if snap.model_key != model_key or self._thread.get(id(snap)) != me:
+                continue
+            common = 0
+            for a, b in zip(snap.tokens, key):
+                if a != b:
+                    break
+                common += 1
+            n = min(common, len(key) - 1)
+            whole = n == len(snap.tokens)
+            if n < 1 or not (whole or can_copy_prefix(snap.cache, n)):
+                continue
+            if best is None or n > best[1]:
+                best = (snap, n, whole)
+        return best
+
+    def settle(self, model_key: Hashable, key: tuple, cache: list) -> list[StoreEntry]:
+        """At an insert of ``key`` holding ``cache``: drop the snapshots it continues. Returns
+        those to store again: a shared prefix that the new entry cannot give by a copy (its
+        continuation is recurrent state or a wrapped window) and that was no finished turn."""
+        keep, again = [], []
+        for snap in self._snaps:
+            n = len(snap.tokens)
+            if snap.model_key != model_key or len(key) <= n or key[:n] != snap.tokens:
+                keep.append(snap)
+            elif snap.prompt_len is None and not (is_trimmable(cache)
+                                                  and can_copy_prefix(cache, n)):
+                again.append(snap)
+        self._snaps = keep
+        self._forget_dropped()
+        return again
+
+    def take(self, handed_out: list) -> Loan | None:
+        """Take back the snapshot of ``handed_out``, keeping only its key: while the caller
+        replaces the layers (dequantizes them), the snapshot would hold the stored ones, so
+        none could be freed before all were restored."""
+        for i, snap in enumerate(self._snaps):
+            if self._source.get(id(snap)) == id(handed_out):
+                del self._snaps[i]
+                loan = Loan(StoreEntry(snap.model_key, snap.tokens, [], snap.nbytes,
+                                       snap.prompt_len), self._thread.get(id(snap)))
+                self._forget_dropped()
+                return loan
+        return None
+
+    def give_back(self, loan: Loan, restored: list) -> None:
+        """Lend ``restored`` (what :meth:`take`'s caller made of the entry) under the key."""
+        loan.entry.cache = lend_view(restored)
+        thread = loan.thread if loan.thread is not None else threading.get_ident()
+        self._add(loan.entry, thread, restored)
+
+    def clear(self) -> None:
+        self._snaps.clear()
+        self._forget_dropped()
