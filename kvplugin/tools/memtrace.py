@@ -64,13 +64,16 @@ class Recorder:
     def record(self, kind: str, name: str = "", **fields: Any) -> None:
         mx = self._mx
         with self._lock:
-            peak = mx.get_peak_memory()
+            active = mx.get_active_memory()
+            # MLX's reset sets the peak to 0, so with no allocation since the last sample
+            # it reads 0; the peak between two samples is never below what is held now.
+            peak = max(mx.get_peak_memory(), active)
             mx.reset_peak_memory()
             line = {
                 "t": time.time(),
                 "kind": kind,
                 "name": name,
-                "active": mx.get_active_memory(),
+                "active": active,
                 "peak": peak,
                 "cache": mx.get_cache_memory(),
                 **_proc_status(),
