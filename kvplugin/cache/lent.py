@@ -13,22 +13,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 from kvplugin.cache.layers import can_copy_prefix, is_trimmable, lend_view
 from kvplugin.types import StoreEntry
 
-__all__ = ["MAX_LENT", "Lent", "Loan"]
+__all__ = ["MAX_LENT", "Lent"]
 
+#: Snapshots held at once (requests in flight that may share a prefix); the oldest goes first.
 MAX_LENT = 8
-
-
-@dataclass
-class Loan:
-    """A snapshot taken back while its entry is restored (see :meth:`Lent.take`): no arrays."""
-
-    entry: StoreEntry
-    thread: int | None
 
 
 class Lent:
@@ -37,28 +29,22 @@ class Lent:
     def __init__(self) -> None:
         self._snaps: list[StoreEntry] = []
         self._thread: dict[int, int] = {}  # id(snapshot) -> the thread that lent it
-        self._source: dict[int, int] = {}  # id(snapshot) -> id(the list handed out)
 
     def __len__(self) -> int:
         return len(self._snaps)
 
-    def lend(self, entry: StoreEntry, n: int, *, thread: int | None = None) -> None:
-        """Record that ``entry.cache`` (cut to ``n`` tokens) was handed to this thread."""
-        snap = StoreEntry(entry.model_key, entry.tokens[:n], lend_view(entry.cache),
-                          entry.nbytes, entry.prompt_len)
-        self._add(snap, threading.get_ident() if thread is None else thread, entry.cache)
-
-    def _add(self, snap: StoreEntry, thread: int, handed_out: list) -> None:
-        self._snaps.append(snap)
-        self._thread[id(snap)] = thread
-        self._source[id(snap)] = id(handed_out)
+    def lend(self, entry: StoreEntry, n: int, cache: list) -> None:
+        """Record that ``entry`` (cut to ``n`` tokens) went to this thread as ``cache`` (its
+        layers, or what the caller restored them to)."""
+        self._snaps.append(StoreEntry(entry.model_key, entry.tokens[:n], lend_view(cache),
+                                      entry.nbytes, entry.prompt_len))
+        self._thread[id(self._snaps[-1])] = threading.get_ident()
         del self._snaps[:-MAX_LENT]
         self._forget_dropped()
 
     def _forget_dropped(self) -> None:
         live = {id(s) for s in self._snaps}
         self._thread = {k: v for k, v in self._thread.items() if k in live}
-        self._source = {k: v for k, v in self._source.items() if k in live}
 
     def best(self, model_key: Hashable, key: tuple) -> tuple[StoreEntry, int, bool] | None:
         """The snapshot holding most of ``key``: ``(snapshot, n, whole)``.
@@ -100,25 +86,6 @@ class Lent:
         self._snaps = keep
         self._forget_dropped()
         return again
-
-    def take(self, handed_out: list) -> Loan | None:
-        """Take back the snapshot of ``handed_out``, keeping only its key: while the caller
-        replaces the layers (dequantizes them), the snapshot would hold the stored ones, so
-        none could be freed before all were restored."""
-        for i, snap in enumerate(self._snaps):
-            if self._source.get(id(snap)) == id(handed_out):
-                del self._snaps[i]
-                loan = Loan(StoreEntry(snap.model_key, snap.tokens, [], snap.nbytes,
-                                       snap.prompt_len), self._thread.get(id(snap)))
-                self._forget_dropped()
-                return loan
-        return None
-
-    def give_back(self, loan: Loan, restored: list) -> None:
-        """Lend ``restored`` (what :meth:`take`'s caller made of the entry) under the key."""
-        loan.entry.cache = lend_view(restored)
-        thread = loan.thread if loan.thread is not None else threading.get_ident()
-        self._add(loan.entry, thread, restored)
 
     def clear(self) -> None:
         self._snaps.clear()

@@ -324,22 +324,28 @@ class KVService:
         with self._lock:
             self._recent_prompts.append((len(tokens), hash(tuple(tokens))))
         check = None if model is None else (lambda entry: self._fits(model, entry))
-        cache, n = self.store.fetch(model_key, list(tokens), check=check)
-        if cache is None:
-            self._event("miss", len(tokens))
-            log.debug("prompt cache miss: %d prompt tokens", len(tokens))
-            return None, 0
-        from kvplugin.cache.quantize import UnknownCodec  # mlx is loaded by now: a hit
+        from kvplugin.cache.quantize import UnknownCodec
 
-        quantized = sum(layer_bits(layer) is not None for layer in cache)
+        dequantized = False
+
+        def restore(cache: list) -> list:  # the store lends a moved entry once restored
+            nonlocal dequantized
+            quantized = sum(layer_bits(layer) is not None for layer in cache)
+            restored = self.restore_precision(cache)  # may change `cache` in place
+            dequantized = sum(layer_bits(layer) is not None for layer in restored) < quantized
+            return restored
+
         try:
-            restored = (self.store.restore_moved(cache, self.restore_precision) if quantized
-                        else self.restore_precision(cache))  # may change `cache` in place
+            restored, n = self.store.fetch(model_key, list(tokens), check=check, restore=restore)
         except UnknownCodec as e:  # written by another kvplugin version: a miss, never misread
             log.warning("kvplugin: stored entry not used (%s); treated as a miss", e)
             self._event("miss", len(tokens))
             return None, 0
-        if sum(layer_bits(layer) is not None for layer in restored) < quantized:
+        if restored is None:
+            self._event("miss", len(tokens))
+            log.debug("prompt cache miss: %d prompt tokens", len(tokens))
+            return None, 0
+        if dequantized:
             self._event("dequantize", n, restored)
         self._event("fetch", n, restored)
         if log.isEnabledFor(logging.DEBUG):

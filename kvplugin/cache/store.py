@@ -92,7 +92,8 @@ write does not double memory (unlike ``copy.deepcopy``).
 
 Contention
 ----------
-A move records what it hands out (:func:`kvplugin.cache.layers.lend_view`): append-only
+A move records what it hands out, once ``fetch``'s ``restore`` (dequantization) has made it
+(:mod:`kvplugin.cache.lent`, :func:`kvplugin.cache.layers.lend_view`): append-only
 layers (``KVCache``) themselves, whose prefix never changes and which cost nothing to keep;
 other layers as a snapshot (new array objects on the same buffers, no bytes copied; the
 owner's first in-place write into a shared buffer copies it, as stock's deep copy would
@@ -143,13 +144,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvplugin.cache.index import KeyIndex, to_key
-from kvplugin.cache.layers import can_copy_prefix, copy_lent, copy_prefix, entry_nbytes, is_trimmable
+from kvplugin.cache.layers import (can_copy_prefix, copy_lent, copy_prefix, entry_nbytes,
+                                   is_trimmable)
 from kvplugin.cache.lent import MAX_LENT, Lent
 from kvplugin.types import ColdTier, StoreEntry
 
 __all__ = ["ColdTier", "MAX_LENT", "PromptStore", "StoreEntry", "StoreStats"]
-
-#: Snapshots of lent entries held at once (requests in flight that may share a prefix).
 
 log = logging.getLogger("kvplugin.cache")
 
@@ -229,6 +229,7 @@ class PromptStore:
         self._index = KeyIndex(size=lambda e: e.nbytes)  # (model_key, tokens) -> StoreEntry
         self._owner: dict[int, StoreEntry] = {}  # id(first layer) -> entry holding it
         self._lent = Lent()  # snapshots of entries moved out
+        self._moving: dict[int, tuple[StoreEntry, int]] = {}  # thread -> its fetch's move
         self._c = dict.fromkeys(
             (
                 "stored hits misses evictions spills cold_hits discarded moved copied "
@@ -350,7 +351,7 @@ class PromptStore:
                 for layer in entry.cache:
                     layer.trim(extra)
             self._c["moved"] += 1
-            self._lent.lend(entry, n)
+            self._moving[threading.get_ident()] = (entry, n)  # lent once restored (fetch)
             return entry.cache, n
         cache = copy_prefix(entry.cache, n, share=True)  # views: the donor stays stored
         if cache is None:
@@ -455,14 +456,37 @@ class PromptStore:
             log.exception("kvplugin: cold tier publish failed")
 
     def fetch(self, model_key: str, tokens: Sequence[int], *,
-              check: Callable[[list], bool] | None = None) -> tuple[list | None, int]:
+              check: Callable[[list], bool] | None = None,
+              restore: Callable[[list], list] | None = None) -> tuple[list | None, int]:
         """Longest-prefix lookup with move semantics; ``(cache, n)`` or ``(None, 0)``.
 
         The returned cache holds ``tokens[:n]`` and is owned by the caller;
         ``1 <= n < len(tokens)``.  See the module docstring. ``check``: asked of an entry
         from the cold tier (it crossed a disk or process boundary) before it is used; False:
-        dropped, as if the tier had none.
+        dropped, as if the tier had none. ``restore``: applied to the hit before it is
+        handed out (a dequantization; what it raises reaches the caller, and a moved entry
+        is then gone, as a miss).
+
+        A moved entry is lent (see *Contention*) only once restored: lent before, its
+        snapshot would hold the stored layers themselves, and none could be freed while
+        they are replaced (measured on a real server: the quantized entry stayed whole
+        beside its dequantized copy until the turn's own entry superseded it).
         """
+        me = threading.get_ident()
+        self._moving.pop(me, None)
+        cache, n = self._fetch(model_key, tokens, check)
+        moved = self._moving.pop(me, None)
+        if cache is None:
+            return None, 0
+        if restore is not None:
+            cache = restore(cache)
+        if moved is not None:
+            with self._lock:
+                self._lent.lend(moved[0], moved[1], cache)
+        return cache, n
+
+    def _fetch(self, model_key: str, tokens: Sequence[int],
+               check: Callable[[list], bool] | None) -> tuple[list | None, int]:
         key = to_key(tokens)
         cold = self.cold
         with self._lock:
@@ -515,21 +539,6 @@ class PromptStore:
                     self._index.add(model_key, lent.tokens, again)
                     self._owner[id(kept[0])] = again
                     self._c["lent_kept"] += 1
-
-    def restore_moved(self, cache: list, restore: Callable[[list], list]) -> list:
-        """``restore(cache)`` (a dequantization) for a ``cache`` this store just handed out,
-        its lent snapshot taken back meanwhile and then pointed at the result.
-
-        Why: the snapshot holds the stored layers themselves, so during the restore none of
-        them could be freed: measured on a real server, the quantized entry stayed whole
-        beside its dequantized copy until the turn's own entry superseded it."""
-        with self._lock:
-            loan = self._lent.take(cache)
-        restored = restore(cache)
-        if loan is not None:
-            with self._lock:
-                self._lent.give_back(loan, restored)
-        return restored
 
     def _fetch_cold(self, model_key, key, have: int = 0):
         """Outside the lock.  (cache, n) with 1 <= n < len(key), or None. ``have``: what
