@@ -7,7 +7,7 @@ prompt cache of every pure-LLM request is kvplugin's store. Servers (one each, m
 * ``plain``   -- kvplugin at fp16 defaults, ``--enable-metrics``.
 * ``quant``   -- quantization from env variables (bits from the flag: flag beats env),
   ``--hot-cache-only`` from its env variable, a 1 MiB store budget (evictions happen).
-* ``bounded`` -- ``--max-kv-size 256``: bounded, pre-allocated rotating caches.
+* ``bounded`` -- ``--max-kv-size 256``: bounded rotating caches.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def kvplugin_make_cache(model: Any, cache: list, settings: KVPluginSettings) -> 
 
     Called each time the host makes a new cache (one call per request, not per token).
     Return a replacement list (same length, one cache per layer) or ``None`` to keep
-    ``cache``. The built-in bounds plain layers with a pre-allocated rotating cache when
+    ``cache``. The built-in bounds plain layers with a rotating cache grown up to the bound when
     ``settings.max_kv_size`` is set and applies ``settings.kv_cache_step`` otherwise.
     """
 

@@ -1,14 +1,17 @@
-"""Pre-allocated KV caches: a bounded rotating cache that never grows, and stepped KVCaches.
+"""Bounded KV caches that hold no more than they use: a rotating cache grown in large
+staggered steps up to its bound, and stepped KVCaches.
 
 Why: mlx-lm's ``KVCache`` and ``RotatingKVCache`` grow by concatenating 256 zero slots, so every
 growth step holds the old and the new buffer at once (2x transient, a ~30 ms spike per step at
 128 MiB), and a multi-token prefill makes ``RotatingKVCache`` keep up to ``max_size + L - 1``
-slots. :class:`PreallocatedRotatingKVCache` allocates its ``max_size`` slots once, on first use,
-writes in place afterwards, and after every update keeps exactly ``max_size`` slots, while
-returning to attention exactly the keys/values (same tokens, same order) that the stock class
-returns, so attention outputs are bitwise identical.
+slots. :class:`PreallocatedRotatingKVCache` (the name predates its growth) grows each layer by
+large steps staggered across layers until ``max_size`` slots, writes in place afterwards, and
+after every update keeps at most ``max_size`` slots, while returning to attention exactly the
+keys/values (same tokens, same order) that the stock class returns, so attention outputs are
+bitwise identical.
 
-Memory: filling to the bound by one-token steps peaks at the buffer itself (stock: 2x). A chunk
+Memory: filling to the bound by one-token steps holds the tokens plus one growth step per layer
+and copies one layer's buffer at a time (stock: every layer on the same step). A chunk
 that still fits is written in place (no transient). A chunk of ``L`` tokens that wraps needs its
 attention window, ``max_size - 1 + L`` fresh slots, for as long as attention runs; we evaluate
 that window before writing the buffer so MLX can donate the buffer to the in-place write, so

@@ -1,4 +1,5 @@
-"""Default bound: ``--max-kv-size`` pre-allocated rotating caches, ``--kv-cache-step`` growth."""
+"""Default bound: ``--max-kv-size`` rotating caches grown up to the bound, ``--kv-cache-step``
+growth."""
 
 from __future__ import annotations
 

@@ -320,8 +320,8 @@ class MlxLmAdapter(HostAdapter):
         """How mlx-lm's own batched path bounds (it is mlx-lm's class, not kvplugin's)."""
         if s.max_kv_size is not None:
             say(
-                f"--max-kv-size {s.max_kv_size}: every request gets a pre-allocated rotating "
-                f"cache of exactly {s.max_kv_size} tokens that keeps the first 4 (as mlx-lm's "
+                f"--max-kv-size {s.max_kv_size}: every request gets a rotating cache of at "
+                f"most {s.max_kv_size} tokens that keeps the first 4 (as mlx-lm's "
                 f"generate --max-kv-size does); mlx-lm's batched path (BatchRotatingKVCache) "
                 f"keeps no first tokens and would answer differently, so requests to a model "
                 f"with such layers are served one at a time (sequential path)",
