@@ -24,9 +24,10 @@ def srv(start_server):
 def test_startup_says_what_is_bounded(srv):
     log = srv.log_text()
     assert f"max-kv-size: {N} tokens" in log
-    # changed on purpose: batched requests no longer drop the first tokens, they are served
-    # sequentially, and the line says so
-    assert f"--max-kv-size {N}: every request gets" in log and "one at a time" in log
+    # changed on purpose: batched requests keep the first tokens (kvplugin's batch cache), and
+    # the line says so
+    assert f"--max-kv-size {N}: every request gets" in log
+    assert "KeepingBatchRotatingKVCache" in log and "one at a time" not in log
 
 
 def test_same_answer_on_both_routes(srv):

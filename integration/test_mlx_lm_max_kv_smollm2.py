@@ -5,12 +5,15 @@ SmolLM2-135M-Instruct (float32, OpenBLAS) behind a real ``mlx_lm.server`` with
 concurrent requests without a seed (mlx-lm's batched route when batchable), the same request
 with a seed (its sequential route), and mlx-lm's own ``generate_step`` with
 ``RotatingKVCache(512, keep=4)`` in this process (same prefill step as the server's default)
-must give the same greedy answer. Before kvplugin served such models sequentially, the batched
-route's ``BatchRotatingKVCache`` kept no first tokens and answered differently.
+must give the same greedy answer. mlx-lm's own batch cache (``BatchRotatingKVCache``) keeps no
+first tokens and answers differently; kvplugin batches such rows in its
+``KeepingBatchRotatingKVCache``. The two concurrent requests are streamed to show they were
+served in one batch (each one's first token arrives before the other's last).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import harness
@@ -19,6 +22,7 @@ import pytest
 from harness import answer_text
 
 from kvplugin.tools import blas
+from kvplugin.tools.client import stream_chat
 from kvplugin.tools.models import realtext
 from kvplugin.tools.models.smollm2 import build_smollm2
 
@@ -60,10 +64,16 @@ def test_batched_equals_sequential_equals_mlx_lm(start_server, smollm2_dir):
     assert n_prompt > N + 200, n_prompt
     srv = start_server(harness.mlx_lm_server_cmd, model_dir=smollm2_dir,
                        env={**blas.preload_env(), "KVPLUGIN_MAX_KV_SIZE": str(N)})
+    def streamed(_):
+        start = time.perf_counter()
+        reply = stream_chat(srv, MESSAGES, max_tokens=MAX_TOKENS)
+        return start + reply.token_times[0], start + reply.token_times[-1], reply.text
+
     with ThreadPoolExecutor(2) as pool:
-        batched = list(pool.map(lambda _: srv.chat(MESSAGES, max_tokens=MAX_TOKENS), range(2)))
+        (first_a, last_a, a), (first_b, last_b, b) = pool.map(streamed, range(2))
     sequential = srv.chat(MESSAGES, max_tokens=MAX_TOKENS, seed=3)
     srv.stop()
+    assert first_a < last_b and first_b < last_a, "the two requests were not batched"
     assert sequential["usage"]["prompt_tokens"] == n_prompt
-    answers = [answer_text(r) for r in batched + [sequential]]
+    answers = [a, b, answer_text(sequential)]
     assert answers == [reference] * 3, (answers, reference)

@@ -273,16 +273,6 @@ def test_host_option_conflicts():
     assert host_option_conflict(resolve_settings(), {"continuous_batching": True}) is None
 
 
-def test_batch_honours_bound_only_without_kept_tokens():
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-    from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
-    from kvplugin.cache.checks import batch_honours_bound
-
-    assert batch_honours_bound([KVCache(), RotatingKVCache(128, 0)])
-    assert not batch_honours_bound([PreallocatedRotatingKVCache(64, 4), KVCache()])
-
-
 def test_model_problem_is_one_message_naming_flag_env_and_source():
     model = {"args": {"hidden_size": 256, "num_attention_heads": 4}}  # head dim 64
     s = resolve_settings({"kv_cache_quantization": True,

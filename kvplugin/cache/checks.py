@@ -12,11 +12,10 @@ import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from mlx_lm.models.cache import RotatingKVCache
 
 from kvplugin.settings import KVPluginSettings, option_info
 
-__all__ = ["batch_honours_bound", "host_option_conflict", "model_problem", "unpatched_problem"]
+__all__ = ["host_option_conflict", "model_problem", "unpatched_problem"]
 
 _GROUP_FIELD = "kv_cache_quantization_group_size"
 
@@ -55,16 +54,6 @@ def model_problem(model: Any, settings: KVPluginSettings | None,
             f"the server cannot quantize this model's KV cache"
         )
     return None
-
-
-def batch_honours_bound(cache: list) -> bool:
-    """Whether mlx-lm's batched path serves this fresh (bounded) cache with the same answers.
-
-    Its ``BatchRotatingKVCache`` keeps no first tokens, so a layer bounded with ``keep > 0``
-    (mlx-lm's own ``generate --max-kv-size`` keeps 4) would answer differently batched than
-    sequentially. Such a model is served sequentially, as mlx-lm serves ``--kv-bits``.
-    """
-    return not any(isinstance(c, RotatingKVCache) and c.keep > 0 for c in cache)
 
 
 def host_option_conflict(settings: KVPluginSettings, host_options: Mapping[str, Any]) -> str | None:

@@ -36,7 +36,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchRotatingKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
 
 __all__ = [
     "PreallocatedRotatingKVCache",
@@ -321,6 +327,16 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
         if self.offset < self.max_size:
             return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
         return self.keys, self.values
+
+    @classmethod
+    def merge(cls, caches: list) -> Any:
+        """Batch these rows (mlx-lm's batched path). Rows that keep first tokens go to a batch
+        cache that keeps them too, so a request answers the same batched or not."""
+        if caches[0].keep > 0:
+            from kvplugin.cache.keep_batch import KeepingBatchRotatingKVCache  # imports us
+
+            return KeepingBatchRotatingKVCache.merge(caches)
+        return BatchRotatingKVCache.merge(caches)
 
     # -- state: stock layout, exact-size while not full (small files, no zero slots saved) --
     def _get_state(self):

@@ -60,7 +60,6 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from kvplugin.cache.fingerprint import model_fingerprint
-from kvplugin.cache.checks import batch_honours_bound
 from kvplugin.hosts.base import (
     STATS_PATH,
     config_of,
@@ -322,9 +321,10 @@ class MlxLmAdapter(HostAdapter):
             say(
                 f"--max-kv-size {s.max_kv_size}: every request gets a rotating cache of at "
                 f"most {s.max_kv_size} tokens that keeps the first 4 (as mlx-lm's "
-                f"generate --max-kv-size does); mlx-lm's batched path (BatchRotatingKVCache) "
-                f"keeps no first tokens and would answer differently, so requests to a model "
-                f"with such layers are served one at a time (sequential path)",
+                f"generate --max-kv-size does), on both of mlx-lm's paths: batched requests "
+                f"run in kvplugin's KeepingBatchRotatingKVCache, which keeps each row's first "
+                f"4 (mlx-lm's own BatchRotatingKVCache keeps none and would answer "
+                f"differently)",
                 key="mlx-lm:max-kv-batched",
             )
             say(
@@ -495,12 +495,6 @@ class MlxLmAdapter(HostAdapter):
             if problem is not None:
                 _unload(provider)
                 raise _StartupError(problem)
-            service = adapter.service
-            if (service is not None and service.settings.max_kv_size is not None
-                    and getattr(provider, "is_batchable", False)
-                    and not batch_honours_bound(
-                        adapter._server.make_prompt_cache(provider.model))):
-                provider.is_batchable = False  # same answers as the sequential path
             adapter._learn_model(provider.model)
             return result
 
