@@ -137,3 +137,46 @@ def wait_released(srv: ServerProcess, timeout: float = 10.0) -> dict:
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)
     return stats
+
+
+def bounded_reference(model_dir: Any, messages: list, n: int, max_tokens: int,
+                      prefill_step: int = 2048) -> tuple[int, str]:
+    """mlx-lm's own bounded generation in this process, greedy: ``RotatingKVCache(n, keep=4)``
+    on every layer (what ``mlx_lm.generate --max-kv-size n`` builds for a plain model), the
+    prompt prefilled in ``prefill_step`` chunks. Returns (prompt tokens, answer)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import RotatingKVCache
+
+    model, tok = load(str(model_dir))
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    cache = [RotatingKVCache(n, keep=4) for _ in model.layers]
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, prompt_cache=cache,
+                                  max_tokens=max_tokens, prefill_step_size=prefill_step):
+        token = int(token)
+        if token in tok.eos_token_ids:
+            break
+        out.append(token)
+    return len(prompt), tok.decode(out)
+
+
+def streamed_pair(srv: Any, messages: list, max_tokens: int) -> list[str]:
+    """Two identical streamed requests at once; asserts they were served in one batch (each
+    one's first token arrives before the other's last) and returns both answers."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvplugin.tools.client import stream_chat
+
+    def one(_: int) -> tuple[float, float, str]:
+        start = time.perf_counter()
+        reply = stream_chat(srv, messages, max_tokens=max_tokens)
+        assert reply.token_times, reply
+        return start + reply.token_times[0], start + reply.token_times[-1], reply.text
+
+    with ThreadPoolExecutor(2) as pool:
+        (first_a, last_a, a), (first_b, last_b, b) = pool.map(one, range(2))
+    assert first_a < last_b and first_b < last_a, "the two requests were not batched"
+    return [a, b]

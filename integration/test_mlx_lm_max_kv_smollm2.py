@@ -13,16 +13,11 @@ served in one batch (each one's first token arrives before the other's last).
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import ThreadPoolExecutor
-
 import harness
-import mlx.core as mx
 import pytest
 from harness import answer_text
 
 from kvplugin.tools import blas
-from kvplugin.tools.client import stream_chat
 from kvplugin.tools.models import realtext
 from kvplugin.tools.models.smollm2 import build_smollm2
 
@@ -41,22 +36,7 @@ def smollm2_dir(tmp_path_factory):
 
 
 def _reference(model_dir) -> tuple[int, str]:
-    """mlx-lm's own bounded generation: RotatingKVCache(N, keep=4) on every (unbounded) layer."""
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import RotatingKVCache
-
-    model, tok = load(str(model_dir))
-    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
-    cache = [RotatingKVCache(N, keep=4) for _ in model.layers]
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, prompt_cache=cache,
-                                  max_tokens=MAX_TOKENS, prefill_step_size=PREFILL_STEP):
-        token = int(token)
-        if token in tok.eos_token_ids:
-            break
-        out.append(token)
-    return len(prompt), tok.decode(out)
+    return harness.bounded_reference(model_dir, MESSAGES, N, MAX_TOKENS, PREFILL_STEP)
 
 
 def test_batched_equals_sequential_equals_mlx_lm(start_server, smollm2_dir):
@@ -64,16 +44,9 @@ def test_batched_equals_sequential_equals_mlx_lm(start_server, smollm2_dir):
     assert n_prompt > N + 200, n_prompt
     srv = start_server(harness.mlx_lm_server_cmd, model_dir=smollm2_dir,
                        env={**blas.preload_env(), "KVPLUGIN_MAX_KV_SIZE": str(N)})
-    def streamed(_):
-        start = time.perf_counter()
-        reply = stream_chat(srv, MESSAGES, max_tokens=MAX_TOKENS)
-        return start + reply.token_times[0], start + reply.token_times[-1], reply.text
-
-    with ThreadPoolExecutor(2) as pool:
-        (first_a, last_a, a), (first_b, last_b, b) = pool.map(streamed, range(2))
+    a, b = harness.streamed_pair(srv, MESSAGES, MAX_TOKENS)
     sequential = srv.chat(MESSAGES, max_tokens=MAX_TOKENS, seed=3)
     srv.stop()
-    assert first_a < last_b and first_b < last_a, "the two requests were not batched"
     assert sequential["usage"]["prompt_tokens"] == n_prompt
     answers = [a, b, answer_text(sequential)]
     assert answers == [reference] * 3, (answers, reference)

@@ -25,8 +25,12 @@ import harness
 import pytest
 from harness import answer_text, vllm_mlx_serve_cmd
 
+from kvplugin.tools.models.corpus import CORPUS
+
 CB = ("--continuous-batching",)
 ONE_AT_A_TIME = ("--prefill-batch-size", "1", "--completion-batch-size", "1")
+BOUND = 64
+LONG = " ".join(CORPUS.split()[:120])  # ~160 tokens: past the bound
 from vllm_workload import SYSTEM, assert_no_contamination, conversation, stats
 from vllm_workload import workload as _workload
 
@@ -168,11 +172,32 @@ def _restart_checks(srv):
     assert set(s["store_bytes_by_kind"]) == {"QuantizedKVCache"}, s
 
 
+@pytest.mark.parametrize("extra, env", [
+    (("--max-kv-size", str(BOUND)), None),
+    ((), {"KVPLUGIN_MAX_KV_SIZE": str(BOUND)}),
+], ids=["flag", "env"])
+def test_a_bounded_cache_keeps_the_first_tokens_like_mlx_lm(start_server, tiny_model, extra, env):
+    """vllm-mlx's own bounded batch cache (``RotatingKVCache(n)``) keeps no first tokens;
+    kvplugin's keeps 4, so requests and a repeat from the stored entry answer like mlx-lm's
+    ``RotatingKVCache(n, keep=4)``. One sequence at a time (see the module docstring: padding
+    alone moves this random model's tokens); the real-model test batches two at once."""
+    messages = [{"role": "user", "content": LONG}]
+    n_prompt, reference = harness.bounded_reference(tiny_model, messages, BOUND, 16)
+    assert n_prompt > BOUND + 50, n_prompt
+    srv = start_server(vllm_mlx_serve_cmd, *CB, *ONE_AT_A_TIME, *extra, env=env)
+    with cf.ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: srv.chat(messages, max_tokens=16), range(2)))
+    again = srv.chat(messages, max_tokens=16)
+    s = stats(srv)
+    srv.stop()
+    assert s["max_kv_size"] == BOUND and s["caches_bounded"] >= 1, s
+    assert again["usage"]["prompt_tokens"] == n_prompt
+    assert [answer_text(r) for r in both + [again]] == [reference] * 3
+
+
 def test_hot_cache_only_writes_nothing(tiny_model, tmp_path):
-    # changed on purpose: --max-kv-size is refused with --continuous-batching (its batch
-    # cache keeps no first tokens; test_vllm_mlx_cli checks the refusal), so this runs unbounded
     srv = start_in(
-        tiny_model, tmp_path, *CB, "--cache-memory-mb", "1",
+        tiny_model, tmp_path, *CB, "--cache-memory-mb", "1", "--max-kv-size", "256",
         env={"KVPLUGIN_HOT_CACHE_ONLY": "1"},
     )
     try:
@@ -187,7 +212,7 @@ def _hot_only_checks(srv):
     with cf.ThreadPoolExecutor(6) as pool:
         list(pool.map(lambda i: conversation(srv, i, turns=1), range(30, 36)))
     s = stats(srv)
-    assert s["hot_cache_only"] is True and s["max_kv_size"] is None, s
+    assert s["hot_cache_only"] is True and s["max_kv_size"] == 256, s
     assert s["store_entries"] >= 1, s
     assert s["store_bytes"] <= 1 << 20, s  # the 1 MiB budget
     assert s["store_evictions"] >= 1 and s["store_discarded"] == s["store_evictions"], s

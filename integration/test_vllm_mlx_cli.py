@@ -122,21 +122,6 @@ def test_bad_values_exit_2_before_loading(tiny_model, extra, env, needle):
     assert "Loading model" not in out.stdout
 
 
-@pytest.mark.parametrize("extra, env", [
-    (("--max-kv-size", "256"), None),
-    ((), {"KVPLUGIN_MAX_KV_SIZE": "256"}),
-], ids=["flag", "env"])
-def test_max_kv_size_with_continuous_batching_is_refused(tiny_model, extra, env):
-    """Its batch cache keeps no first tokens: answers would differ from every other path."""
-    out = _serve(tiny_model, "--continuous-batching", *extra, env=env)
-    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
-    err = _flat(out.stderr)
-    for needle in ("--max-kv-size", "KVPLUGIN_MAX_KV_SIZE", "--continuous-batching",
-                   "keeps no first tokens"):
-        assert needle in err, out.stderr
-    assert "Uvicorn running" not in out.stdout + out.stderr
-
-
 def test_hot_cache_only_wins_over_an_ssd_dir(start_server, tmp_path):
     # Was the "hot-only-vs-ssd" case of test_bad_values_exit_2_before_loading: since the
     # settings let --hot-cache-only win over an SSD directory (one notice, no error), the

@@ -59,17 +59,10 @@ def model_problem(model: Any, settings: KVPluginSettings | None,
 def host_option_conflict(settings: KVPluginSettings, host_options: Mapping[str, Any]) -> str | None:
     """A host option kvplugin's settings cannot be served with (one message), or ``None``.
 
-    ``host_options``: the host's parsed values by name (``kv_bits``, ``draft_model``,
-    ``continuous_batching``).
+    ``host_options``: the host's parsed values by name (``kv_bits``, ``draft_model``).
     """
     if settings.max_kv_size is None:
         return None
-    if host_options.get("continuous_batching"):
-        return ("kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
-                "--continuous-batching: its batch cache (mlx-lm's BatchRotatingKVCache) keeps "
-                "no first tokens, so its answers would differ from the bounded cache every "
-                "other path uses (RotatingKVCache keeping the first 4, as mlx-lm's generate "
-                "does); use the default mode (without --continuous-batching) for a bounded cache")
     if host_options.get("kv_bits") is not None:
         return ("kvplugin: --max-kv-size (KVPLUGIN_MAX_KV_SIZE) cannot be combined with "
                 "mlx-lm's --kv-bits: mlx-lm cannot quantize a rotating (bounded) cache")

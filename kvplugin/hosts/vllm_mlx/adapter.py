@@ -179,11 +179,6 @@ class VllmMlxAdapter(HostAdapter):
         rt.settings = settings
         rt.model_id = getattr(args, "model", None)
         rt.mode = "batching" if getattr(args, "continuous_batching", False) else "simple"
-        from kvplugin.cache.checks import host_option_conflict  # lazy: mlx loads with it
-
-        conflict = host_option_conflict(settings, {"continuous_batching": rt.mode == "batching"})
-        if conflict is not None:
-            fail_start(conflict)
         self.early_model_check(args, settings)
         if self.install_serving(args, settings):
             announce(self, args, settings)

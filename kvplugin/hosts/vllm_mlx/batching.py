@@ -6,8 +6,12 @@ the process's ``KVService`` and which keeps the private fields the scheduler rea
 (``_entries``, ``_current_memory``, ``_last_match_type``, ``_last_matched_key``). Budget: the
 host's ``MemoryCacheConfig.compute_memory_limit()`` (``--cache-memory-mb`` /
 ``--cache-memory-percent``). ``Scheduler.ensure_ssd_tier`` becomes a no-op for it (kvplugin's
-cold tier is ``--ssd-cache-dir``). ``--max-kv-size`` keeps using the host's own bounding; the
-batch caches it feeds grow by the class ``step`` the session decides.
+cold tier is ``--ssd-cache-dir``). ``--max-kv-size``: every request's fresh cache is the session's
+(``KVService.make_cache``: ``RotatingKVCache(n, keep=4)`` layers, as in the default mode), built
+where vllm-mlx builds its own (``Scheduler._bound_cache_layers`` in 0.6, mlx-lm's
+``BatchGenerator._make_new_cache`` otherwise), so the batch merges them into kvplugin's
+``KeepingBatchRotatingKVCache`` and a request answers the same in both modes. The batch
+caches grow by the class ``step`` the session decides.
 
 Persistence: the host's shut-down save / start-up load of the prefix cache are
 ``KVService.persist``/``restore`` on kvplugin's own subdirectory. When the session allows no
@@ -52,6 +56,8 @@ def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: 
         for name, step in rt.service.batch_steps().items():
             patches.replace(getattr(mlc, name), "step", step)
         install_batch_of_one(patches, mlc)
+        if rt.service.settings.max_kv_size is not None:
+            install_bound(patches, rt.service, sched, mlc)
     if not rt.service.may_persist():
         be = batched.BatchedEngine
         patches.replace(be, "save_cache_to_disk", _no_save)
@@ -62,6 +68,33 @@ def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: 
         ):
             if hasattr(be, name):
                 patches.replace(be, name, fn)
+
+
+def install_bound(patches: PatchRegistry, service: Any, sched: type, mlc: Any) -> None:
+    """Fresh per-request caches come from the session, wherever vllm-mlx makes them.
+
+    Why both seams: vllm-mlx 0.6 bounds a fresh cache itself (``_bound_cache_layers``, also
+    its reference for which restored entries match the bound); any sequence inserted without
+    a cache gets mlx-lm's ``BatchGenerator._make_new_cache``. Both would build
+    ``RotatingKVCache(n)`` keeping no first tokens.
+    """
+    import importlib
+
+    gen = importlib.import_module("mlx_lm.generate")  # the package's `generate` is a function
+
+    def fresh(model: Any) -> list:
+        return service.make_cache(model, mlc.make_prompt_cache(model))
+
+    def _bound_cache_layers(self: Any, cache: Any, max_kv_size: int) -> Any:
+        return fresh(self.model)
+
+    def _make_new_cache(self: Any) -> list:
+        return fresh(self.model)
+
+    if hasattr(sched, "_bound_cache_layers"):
+        patches.replace(sched, "_bound_cache_layers", _bound_cache_layers)
+    require_attrs(gen.BatchGenerator, "_make_new_cache")
+    patches.replace(gen.BatchGenerator, "_make_new_cache", _make_new_cache)
 
 
 def install_batch_of_one(patches: PatchRegistry, mlc: Any) -> None:
