@@ -32,3 +32,16 @@ def test_bound_bench_reports_every_cache(tmp_path):
     for r in caches.values():
         assert len(r["rounds"]) == 2 and r["tok_s"] > 0
     assert "| 300 | 256 | kvplugin |" in (out / "bound.md").read_text()
+
+
+@pytest.mark.real_model
+def test_batched_bound_bench_reports_every_way_to_serve(tmp_path):
+    out = tmp_path / "bound"
+    assert cli.main(["bench", "--bound", "--batched", "--bounds", "64", "--decode", "3",
+                     "--rounds", "1", "--out", str(out)]) == 0
+    data = json.loads((out / "bound_batched.json").read_text())
+    assert data["produced_by"].startswith("kvplugin bench --bound --batched")
+    assert data["bound"] == 64 and data["rows"] == 2 and data["prompt_tokens"] > 64
+    assert set(data["tokens_per_s"]) == {"stock batch", "kvplugin batch", "one at a time"}
+    assert all(t["median"] > 0 for t in data["tokens_per_s"].values())
+    assert "| kvplugin batch |" in (out / "bound_batched.md").read_text()

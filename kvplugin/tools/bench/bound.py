@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bounds", default="4096,32768", help="--max-kv-size values")
     p.add_argument("--decode", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=3, help="paired rounds per case")
+    p.add_argument("--batched", action="store_true",
+                   help="instead: a batch of two real-model requests decoding past the bound "
+                        "(kvplugin.tools.bench.bound_batch)")
     p.add_argument("--out", type=Path, default=Path("bench-results/bound"),
                    help="where bound.json and bound.md go")
     return p
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         env = blas.preload_env()  # OpenBLAS or a loud error naming the package
         cmd = [sys.executable, "-m", "kvplugin.tools.bench.bound", *(argv or sys.argv[1:])]
         return subprocess.call(cmd, env={**os.environ, **env})
+    if args.batched:
+        return _batched(args)
     from mlx_lm import load
 
     from kvplugin.tools.models import kv_heavy
@@ -198,6 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"\n{meta['produced_by']}; {meta['model']}; OpenBLAS preloaded: "
           f"{meta['openblas_preloaded']}; results in {args.out}")
+    return 0
+
+
+def _batched(args: argparse.Namespace) -> int:
+    from kvplugin.tools.bench import bound_batch
+
+    bound = int(args.bounds.split(",")[0])
+    result = bound_batch.run(bound, args.decode, args.rounds)
+    result["produced_by"] = ("kvplugin bench --bound --batched (SmolLM2-135M-Instruct float32, "
+                             f"OpenBLAS preloaded: {_preloaded()})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bound_batched.json").write_text(json.dumps(result, indent=1))
+    text = bound_batch.table(result)
+    (args.out / "bound_batched.md").write_text(text + "\n")
+    print(text)
+    print(f"\n{result['produced_by']}; results in {args.out}")
     return 0
 
 
