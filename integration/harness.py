@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from typing import Any, Callable, Mapping
 
 from kvplugin.tools.hostproc import *  # noqa: F403  (the harness API)
@@ -139,27 +142,49 @@ def wait_released(srv: ServerProcess, timeout: float = 10.0) -> dict:
     return stats
 
 
+_REFERENCE_SCRIPT = """
+import json, sys
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import RotatingKVCache
+model_dir, messages, n, max_tokens, prefill_step = json.loads(sys.argv[1])
+model, tok = load(model_dir)
+prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+cache = [RotatingKVCache(n, keep=4) for _ in model.layers]
+out = []
+for token, _ in generate_step(mx.array(prompt), model, prompt_cache=cache,
+                              max_tokens=max_tokens, prefill_step_size=prefill_step):
+    if int(token) in tok.eos_token_ids:
+        break
+    out.append(int(token))
+print(json.dumps([len(prompt), tok.decode(out)]))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _bounded_reference(args: str) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    from kvplugin.tools import blas
+
+    out = subprocess.run([sys.executable, "-c", _REFERENCE_SCRIPT, args], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, **blas.preload_env()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    n_prompt, text = json.loads(out.stdout.strip().splitlines()[-1])
+    return n_prompt, text
+
+
 def bounded_reference(model_dir: Any, messages: list, n: int, max_tokens: int,
                       prefill_step: int = 2048) -> tuple[int, str]:
-    """mlx-lm's own bounded generation in this process, greedy: ``RotatingKVCache(n, keep=4)``
-    on every layer (what ``mlx_lm.generate --max-kv-size n`` builds for a plain model), the
-    prompt prefilled in ``prefill_step`` chunks. Returns (prompt tokens, answer)."""
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import RotatingKVCache
-
-    model, tok = load(str(model_dir))
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-    cache = [RotatingKVCache(n, keep=4) for _ in model.layers]
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, prompt_cache=cache,
-                                  max_tokens=max_tokens, prefill_step_size=prefill_step):
-        token = int(token)
-        if token in tok.eos_token_ids:
-            break
-        out.append(token)
-    return len(prompt), tok.decode(out)
+    """mlx-lm's own bounded generation, greedy: ``RotatingKVCache(n, keep=4)`` on every layer
+    (what ``mlx_lm.generate --max-kv-size n`` builds for a plain model), the prompt prefilled
+    in ``prefill_step`` chunks. Returns (prompt tokens, answer). Run in a child process with
+    OpenBLAS preloaded, like the servers it is compared with (float32 matmuls are ~40x slower
+    without it here); cached per arguments."""
+    return _bounded_reference(json.dumps([str(model_dir), messages, n, max_tokens,
+                                          prefill_step]))
 
 
 def streamed_pair(srv: Any, messages: list, max_tokens: int) -> list[str]:
