@@ -12,7 +12,6 @@ import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
-
 from kvplugin.settings import KVPluginSettings, option_info
 
 __all__ = ["host_option_conflict", "model_problem", "unpatched_problem"]
