@@ -23,19 +23,14 @@ copy of one layer's cache at a time); before that, nothing.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
 
-__all__ = ["KeepingBatchRotatingKVCache", "keeps_first_tokens"]
-
-
-def keeps_first_tokens(cache: Any) -> bool:
-    """Whether a per-request layer is a bounded cache that keeps first tokens (needs us batched)."""
-    return isinstance(cache, RotatingKVCache) and getattr(cache, "keep", 0) > 0
+__all__ = ["KeepingBatchRotatingKVCache"]
 
 
 class KeepingBatchRotatingKVCache(BatchRotatingKVCache):
