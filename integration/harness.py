@@ -205,3 +205,17 @@ def streamed_pair(srv: Any, messages: list, max_tokens: int) -> list[str]:
         (first_a, last_a, a), (first_b, last_b, b) = pool.map(one, range(2))
     assert first_a < last_b and first_b < last_a, "the two requests were not batched"
     return [a, b]
+
+
+def quantized_size_bound(entry: Mapping[str, Any], quantization: Mapping[str, Any]) -> float:
+    """The most bytes a stored entry (a ``/kvplugin/stats`` ``entries`` item) may take under
+    the server's resolved ``quantization`` (its stats): keys and values at their bits plus
+    2 bytes of scale and of minimum per group (per-channel keys: one row per started group
+    of tokens), plus the protected sink and recent tokens at full precision."""
+    n, dense = entry["tokens"], entry["dense_nbytes"]
+    group, half = quantization["group_size"], dense / 2
+    rows = -(-n // group) * group / n if quantization["codec"] == "rotated-channel" else 1
+    keys = half * (quantization["key_bits"] / 16 + 2 / group * rows)
+    values = half * (quantization["value_bits"] / 16 + 2 / group)
+    protected = min(n, quantization["sink_tokens"] + quantization["recent_tokens"]) * dense / n
+    return keys + values + protected + 64

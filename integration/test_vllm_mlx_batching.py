@@ -126,10 +126,13 @@ def _quantized_traffic_then_stop(srv, quant_home):
     assert all(a and a[0] for a in answers)
     s = stats(srv)
     assert s["quantization"] == {"bits": 3, "group_size": 64, "min_tokens": 200,
-        # #15 added the codec and its parameters on purpose: the default codec, both widths
-        "codec": "affine", "key_bits": 3, "value_bits": 3, "sink_tokens": 0, "recent_tokens": 0}, s
+        # the default codec at 3 bits (auto): keys per channel, 4 sink + 32 recent tokens kept
+        "codec": "rotated-channel", "codec_setting": "auto", "key_bits": 3, "value_bits": 3,
+        "sink_tokens": 4, "recent_tokens": 32}, s
     assert s["entries_quantized"] >= 8, s
-    assert s["bytes_stored"] < 0.3 * s["bytes_before"], s  # 3-bit: ~0.22 of exact fp16
+    assert s["bytes_stored"] < 0.5 * s["bytes_before"], s  # 3-bit: ~0.22 + protected tokens
+    assert all(e["nbytes"] <= harness.quantized_size_bound(e, s["quantization"])
+               for e in s["entries"]), s["entries"]
     assert set(s["store_bytes_by_kind"]) == {"QuantizedKVCache"}, s
     assert s["entries"] and all(e["bits"] == [3, 3] for e in s["entries"]), s["entries"]
     assert s["mode"] == "continuous-batching"

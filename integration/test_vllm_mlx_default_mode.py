@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import harness
 from harness import answer_text, vllm_mlx_serve_cmd
 from vllm_workload import assert_no_contamination, conversation, stats, workload
 
@@ -98,11 +99,14 @@ def test_env_and_flags_quantize_entries_with_the_chosen_bits(quant):
         conversation(quant, i)
     s = stats(quant)
     assert s["quantization"] == {"bits": 4, "group_size": 64, "min_tokens": 300,
-        # #15 added the codec and its parameters on purpose: the default codec, both widths
-        "codec": "affine", "key_bits": 4, "value_bits": 4, "sink_tokens": 0, "recent_tokens": 0}, s
+        # the default codec at 4 bits (auto): keys per channel, 4 sink + 32 recent tokens kept
+        "codec": "rotated-channel", "codec_setting": "auto", "key_bits": 4, "value_bits": 4,
+        "sink_tokens": 4, "recent_tokens": 32}, s
     assert s["hot_cache_only"] is True
     assert s["entries_quantized"] >= 6, s
-    assert s["bytes_stored"] < 0.35 * s["bytes_before"], s  # 4-bit: ~0.28 of exact fp16
+    assert s["bytes_stored"] < 0.45 * s["bytes_before"], s  # 4-bit: ~0.28 + protected tokens
+    assert all(e["nbytes"] <= harness.quantized_size_bound(e, s["quantization"])
+               for e in s["entries"]), s["entries"]
     assert s["store_bytes_by_kind"].get("QuantizedKVCache", 0) > 0, s
     assert s["mode"] == "simple"
     assert any(e["bits"] == [4, 4] for e in s["entries"]), s["entries"]

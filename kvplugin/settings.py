@@ -35,6 +35,7 @@ from pydantic_settings import (
 )
 
 from kvplugin import config_sources
+from kvplugin.codecs import CHOICES as KV_CACHE_CODECS
 from kvplugin.config_sources import BOOL_WORDS, ENV_PREFIX, ConfigFile, ConfigFileError
 
 # The file the current resolve_settings() call reads (pydantic-settings builds its sources
@@ -53,7 +54,6 @@ QUANTIZATION_DETAILS = (
     "kv_cache_sink_tokens",
     "kv_cache_recent_tokens",
 )
-KV_CACHE_CODECS = ("affine", "rotated")  # kvplugin.cache.quantize.CODECS, without importing mlx
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 
@@ -119,10 +119,11 @@ class KVPluginSettings(BaseSettings):
         json_schema_extra={"allowed": ", ".join(map(str, ALLOWED_GROUP_SIZES))},
     )
     kv_cache_codec: str = Field(
-        "affine",
-        description="Codec of quantized entries: affine (mlx per-token groups) or rotated "
-        "(a seeded Hadamard along head_dim before affine; power-of-two head dims, other "
-        "layers stay affine). See docs/benchmarks.md.",
+        "auto",
+        description="Codec of quantized entries: affine (mlx per-token groups), rotated (a "
+        "seeded Hadamard along head_dim first), rotated-channel (rotated, keys quantized "
+        "per channel in groups of tokens), or auto: affine from 6 key bits on, "
+        "rotated-channel below (the best measured, docs/benchmarks.md).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},
     )
     kv_cache_key_bits: int | None = Field(
@@ -135,15 +136,16 @@ class KVPluginSettings(BaseSettings):
         description="Bits of quantized values. Default: the quantization bits.",
         json_schema_extra={"allowed": ", ".join(map(str, ALLOWED_BITS))},
     )
-    kv_cache_sink_tokens: int = Field(
-        0,
+    kv_cache_sink_tokens: int | None = Field(
+        None,
         description="The first tokens of a quantized entry (attention sinks) kept at full "
-        "precision besides.",
+        "precision besides. Default: 4 with the rotated codecs, 0 with affine.",
         json_schema_extra={"allowed": "an integer >= 0"},
     )
-    kv_cache_recent_tokens: int = Field(
-        0,
-        description="The last tokens of a quantized entry kept at full precision besides.",
+    kv_cache_recent_tokens: int | None = Field(
+        None,
+        description="The last tokens of a quantized entry kept at full precision besides. "
+        "Default: 32 with the rotated codecs, 0 with affine.",
         json_schema_extra={"allowed": "an integer >= 0"},
     )
     kv_cache_min_quantize_tokens: int = Field(
@@ -285,8 +287,8 @@ class KVPluginSettings(BaseSettings):
     @field_validator("kv_cache_min_quantize_tokens", "kv_cache_sink_tokens",
                      "kv_cache_recent_tokens")
     @classmethod
-    def _non_negative(cls, v: int) -> int:
-        if v < 0:
+    def _non_negative(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
             raise ValueError("must be >= 0")
         return v
 

@@ -1,5 +1,5 @@
-"""Codecs of stored entries: rotated (seeded Hadamard), K/V-asymmetric bits, protected
-sink/recent tokens; the codec recorded on the layer, round-tripped through the SSD tier, and
+"""Codecs of stored entries: rotated (seeded Hadamard), keys per channel (rotated-channel),
+K/V-asymmetric bits, protected sink/recent tokens; the codec recorded on the layer, round-tripped through the SSD tier, and
 an unknown codec being a miss."""
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def test_rotation_is_orthogonal_seeded_and_needs_power_of_two():
         rotation.rotation(96)
 
 
-@pytest.mark.parametrize("codec", ["affine", "rotated"])
-@pytest.mark.parametrize("kbits,vbits", [(8, 8), (4, 4), (8, 4), (5, 4)])
+@pytest.mark.parametrize("codec", ["affine", "rotated", "rotated-channel"])
+@pytest.mark.parametrize("kbits,vbits", [(8, 8), (4, 4), (8, 4), (5, 4), (3, 4)])
 def test_round_trip_records_codec_and_restores_dtype(codec, kbits, vbits):
     src = _layer()
     res = quantize_entry([src], bits=kbits, value_bits=vbits, group_size=64, codec=codec)
@@ -63,7 +63,7 @@ def test_round_trip_records_codec_and_restores_dtype(codec, kbits, vbits):
     assert codec_name(q) == f"{codec}-k{kbits}v{vbits}"
     back = dequantize_entry(res.cache)[0]
     assert type(back) is KVCache and back.keys.dtype == mx.float16 and back.offset == N
-    tol = {8: 0.02, 5: 0.08, 4: 0.2}
+    tol = {8: 0.02, 5: 0.08, 4: 0.2, 3: 0.4}
     key_tol = tol[kbits] * (2 if codec == "affine" else 1)  # outlier channels cost affine
     assert _err(back.keys, src.keys[..., :N, :]) < key_tol
     assert _err(back.values, src.values[..., :N, :]) < tol[vbits]
@@ -113,8 +113,9 @@ def test_rotated_falls_back_to_affine_for_non_power_of_two_width():
     assert getattr(q, CODEC_ATTR) == "affine" and not hasattr(q, SEED_ATTR)
 
 
-def test_codec_metadata_round_trips_through_serialize():
-    q = quantize_entry([_layer()], bits=5, value_bits=4, group_size=64, codec="rotated",
+@pytest.mark.parametrize("codec", ["rotated", "rotated-channel"])
+def test_codec_metadata_round_trips_through_serialize(codec):
+    q = quantize_entry([_layer()], bits=5, value_bits=4, group_size=64, codec=codec,
                        sink_tokens=4, recent_tokens=16).cache
     arrays, layers = serialize_cache(q)
     back = deserialize_cache(arrays, layers)
@@ -167,7 +168,8 @@ def test_session_hits_known_codec_and_misses_unknown(unknown):
     tokens = list(range(N))
     assert s.insert("m", tokens, [_layer()])
     stats = s.stats()
-    assert stats["bytes_stored_by_codec"] == {"rotated-k4v8": stats["bytes_stored"]}
+    # the rotated codecs keep 4 sink + 32 recent tokens unless told otherwise
+    assert stats["bytes_stored_by_codec"] == {"rotated-k4v8-s4r32": stats["bytes_stored"]}
     assert stats["quantization"]["codec"] == "rotated"
     assert stats["quantization"]["value_bits"] == 8
     if unknown:
@@ -186,7 +188,9 @@ def test_bench_codec_specs_parse_and_reject_garbage():
 
     assert parse_codec("rotated-k4v3-g64-s4r32") == dict(
         codec="rotated", bits=4, value_bits=3, group_size=64, sink_tokens=4, recent_tokens=32)
-    assert all(parse_codec(s)["codec"] in ("affine", "rotated") for s in DEFAULT_CODECS)
+    assert parse_codec("rotated-channel-k4v4-g64-s4r0")["codec"] == "rotated-channel"
+    assert {parse_codec(s)["codec"] for s in DEFAULT_CODECS} == {
+        "affine", "rotated", "rotated-channel"}
     with pytest.raises(ValueError, match="CODEC-kKvV"):
         parse_codec("turbo-k4")
 
@@ -203,3 +207,92 @@ def test_bad_codec_options_name_flag_and_env(field, value, env):
     flag = "--" + field.replace("_", "-")
     with pytest.raises(SettingsError, match=f"{flag} / {env}"):
         resolve_settings({field: value})
+
+
+def _channel_skewed_layer(n: int = N) -> KVCache:
+    """Keys like a real model's: each channel has its own offset and range, tokens vary
+    little within a channel (what per-channel groups are for)."""
+    rng = np.random.default_rng(7)
+    offsets = rng.normal(0, 4, D).astype(np.float32)
+    ranges = np.exp(rng.normal(0, 1, D)).astype(np.float32)
+    k = mx.array(offsets) + mx.array(ranges) * mx.random.normal((1, H, n, D), key=mx.random.key(5))
+    v = mx.random.normal((1, H, n, D), key=mx.random.key(6))
+    c = KVCache()
+    c.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16))
+    mx.eval(c.keys, c.values)
+    return c
+
+
+def test_keys_per_channel_lose_less_than_per_token_on_channel_structure():
+    src = _channel_skewed_layer()
+    errs = {}
+    for codec in ("rotated", "rotated-channel"):
+        back = dequantize_entry(quantize_entry([src], bits=4, group_size=64, codec=codec).cache)
+        errs[codec] = _err(back[0].keys, src.keys[..., :N, :])
+    assert errs["rotated-channel"] < 0.6 * errs["rotated"], errs
+
+
+def test_channel_keys_cut_inside_a_group_keep_the_prefix_exactly(tmp_path):
+    """Trim, prefix copies and the SSD tier cut every array to its first rows; a cut inside a
+    group of 64 tokens must give the same first tokens as the whole entry."""
+    from kvplugin.cache.layers import copy_prefix, trim_layer
+
+    q = quantize_entry([_channel_skewed_layer()], bits=4, group_size=64,
+                       codec="rotated-channel", sink_tokens=4, recent_tokens=16).cache
+    assert codec_name(q[0]) == "rotated-channel-k4v4-s4r16"
+    assert q[0].keys[1].shape[-2] == 5  # ceil(300 / 64) rows of scales, one row per token
+    whole = dequantize_entry(q)[0]
+    for m in (130, 64, 3):
+        cut = copy_prefix(q, m)
+        assert cut is not None
+        got = dequantize_entry(cut)[0]
+        assert got.offset == m and mx.array_equal(got.keys, whole.keys[..., :m, :])
+        assert mx.array_equal(got.values, whole.values[..., :m, :])
+    q[0].offset = 130  # what the store does before trimming a reused entry shorter
+    trimmed = trim_layer(q[0])
+    assert trimmed.keys[0].shape[-2] == 130
+    tier = SSDTier(tmp_path / "ssd", max_bytes=1 << 30)
+    tokens = list(range(130))
+    assert tier.put("m", tokens, [trimmed])
+    back = dequantize_entry(tier.fetch("m", tokens + [1])[0])[0]
+    assert mx.array_equal(back.keys, whole.keys[..., :130, :])
+
+
+def test_channel_keys_with_a_damaged_record_are_a_miss():
+    q = quantize_entry([_layer()], bits=4, group_size=64, codec="rotated-channel").cache
+    q[0].keys = (q[0].keys[0], q[0].keys[1][..., :2, :], q[0].keys[2][..., :2, :])
+    with pytest.raises(UnknownCodec, match="per-channel"):
+        dequantize_entry(q)
+
+
+def test_only_plain_affine_layers_are_handed_to_a_quantized_host_as_they_are():
+    """mlx-lm ``--kv-bits`` attends over ``QuantizedKVCache`` itself: a rotated or per-channel
+    layer of the same bits would be read as affine, so only plain affine ones match."""
+    from kvplugin.cache.quantize import matches_live
+
+    for codec, sink, want in (("affine", 0, True), ("affine", 4, False), ("rotated", 0, False),
+                              ("rotated-channel", 0, False)):
+        q = quantize_entry([_layer()], bits=4, group_size=64, codec=codec,
+                           sink_tokens=sink).cache[0]
+        assert matches_live(q, 4, 64, 0) is want, codec
+    asym = quantize_entry([_layer()], bits=4, value_bits=8, group_size=64).cache[0]
+    assert not matches_live(asym, 4, 64, 0)
+
+
+@pytest.mark.parametrize("flags,want", [
+    ({}, "affine-k8v8"),  # the default: 8-bit entries are already near lossless
+    ({"kv_cache_quantization_bits": 4}, "rotated-channel-k4v4-s4r32"),
+    ({"kv_cache_quantization_bits": 3, "kv_cache_recent_tokens": 0}, "rotated-channel-k3v3-s4r0"),
+    ({"kv_cache_key_bits": 8, "kv_cache_value_bits": 4}, "affine-k8v4"),
+    ({"kv_cache_quantization_bits": 4, "kv_cache_codec": "affine"}, "affine-k4v4"),
+    ({"kv_cache_codec": "rotated", "kv_cache_sink_tokens": 0}, "rotated-k8v8-s0r32"),
+])
+def test_auto_codec_resolves_from_the_bits_and_reaches_the_stored_layers(flags, want):
+    """What ``--kv-cache-codec auto`` means is decided once (kvplugin.codecs) and is what the
+    default quantize hook stores: the stored layers are named exactly so."""
+    s = _service(kv_cache_min_quantize_tokens=0, **flags)
+    assert s.insert("m", list(range(N)), [_layer()])
+    stats = s.stats()
+    assert list(stats["bytes_stored_by_codec"]) == [want]
+    assert want.startswith(stats["quantization"]["codec"] + "-k")
+    assert stats["quantization"]["codec_setting"] == flags.get("kv_cache_codec", "auto")

@@ -86,3 +86,21 @@ def test_every_family_round_trips_through_the_tier_and_fits(family, tmp_path):
     assert got is not None
     assert entry_problem(got[0], reference_of(model)) is None
     assert entry_problem(got[0][:-1], reference_of(model)) is not None
+
+
+def test_every_codec_layout_fits_the_model_that_made_it():
+    """Protected rows (a 4th array), K/V-asymmetric bits and per-channel keys are entries the
+    model can run once restored: validation must not turn them into misses."""
+    from kvplugin.cache.quantize import quantize_entry
+
+    ref = reference_of(_model())
+    for codec in ("affine", "rotated", "rotated-channel"):
+        for kbits, vbits in ((4, 4), (8, 4), (4, 2)):
+            entry = quantize_entry(_entry(tokens=100), bits=kbits, value_bits=vbits,
+                                   group_size=64, codec=codec, sink_tokens=4,
+                                   recent_tokens=8).cache
+            assert entry_problem(entry, ref) is None, (codec, kbits, vbits)
+    entry = quantize_entry(_entry(tokens=100), bits=4, group_size=64, codec="rotated",
+                           sink_tokens=4).cache
+    entry[0].keys = entry[0].keys[:3] + (entry[0].keys[3][..., :32],)  # rows cut to 32 wide
+    assert "protected rows" in entry_problem(entry, ref)

@@ -60,7 +60,7 @@ VALUE_BITS_ATTR = "kvplugin_value_bits"
 SINK_ATTR = "kvplugin_sink_tokens"
 RECENT_ATTR = "kvplugin_recent_tokens"
 RECENT_START_ATTR = "kvplugin_recent_start"
-CODECS = ("affine", "rotated")
+CODECS = ("affine", "rotated", "rotated-channel")
 
 
 class UnknownCodec(ValueError):
@@ -202,23 +202,29 @@ def _quantize_layer(
     recent: int = 0,
 ) -> QuantizedKVCache:
     """``bits`` are the keys' (``layer.bits``); values use ``value_bits`` (recorded when they
-    differ). ``rotated`` needs power-of-two widths; a layer without them is stored ``affine``
-    (recorded as such, so it is read back right). ``sink``/``recent`` tokens are kept at
-    full precision besides (their quantized rows stay too: exact-size arrays, simple trims)."""
-    from kvplugin.cache import rotation
+    differ). ``rotated`` needs power-of-two widths (``rotated-channel`` also 32 or more); a
+    layer without them is stored ``affine`` (recorded as such, so it is read back right).
+    ``rotated-channel`` keys are quantized per channel in groups of ``group_size`` tokens
+    (:mod:`kvplugin.cache.channel`). ``sink``/``recent`` tokens are kept at full precision
+    besides (their quantized rows stay too: exact-size arrays, simple trims)."""
+    from kvplugin.cache import channel, rotation
 
     n = layer.offset
     keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
     vbits = bits if value_bits is None else value_bits
-    if codec == "rotated" and not (
-        rotation.rotatable(keys.shape[-1]) and rotation.rotatable(values.shape[-1])
-    ):
+    widths = (keys.shape[-1], values.shape[-1])
+    if codec != "affine" and not all(rotation.rotatable(w) for w in widths):
         codec = "affine"
+    if codec == "rotated-channel" and keys.shape[-1] % 32:
+        codec = "rotated"
     q = QuantizedKVCache(group_size=group_size, bits=bits)
-    if codec == "rotated":
+    if codec != "affine":
         keys, values = rotation.rotate(keys), rotation.rotate(values)
         setattr(q, SEED_ATTR, rotation.CODEC_SEED)
-    q.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
+    if codec == "rotated-channel":
+        q.keys = channel.quantize_channels(keys, group_size, bits)
+    else:
+        q.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
     q.values = tuple(mx.quantize(values, group_size=group_size, bits=vbits))
     sink = min(sink, n)
     start = max(sink, n - recent)
@@ -299,7 +305,10 @@ def matches_live(layer: Any, bits: int, group_size: int, start: int) -> bool:
     bits and group size, past the start. Handed back so, it skips a dequantize-then-
     requantize round trip (slower, and lossy twice)."""
     return (type(layer) is QuantizedKVCache and layer.bits == bits
-            and layer.group_size == group_size and layer.offset >= start)
+            and layer.group_size == group_size and layer.offset >= start
+            and getattr(layer, CODEC_ATTR, "affine") == "affine"
+            and getattr(layer, VALUE_BITS_ATTR, bits) == bits
+            and isinstance(layer.keys, (tuple, list)) and len(layer.keys) == 3)
 
 
 def _cache_list(layer: Any, children: list) -> Any:
@@ -353,17 +362,25 @@ def _codec_of(layer: Any) -> tuple[str, int]:
     if vbits not in ALLOWED_BITS:
         raise UnknownCodec(f"stored layer has unknown value bits {vbits!r}")
     seed = getattr(layer, SEED_ATTR, None)
-    if codec == "rotated" and not _is_int(seed):
-        raise UnknownCodec("rotated layer without an integer seed")
+    if codec != "affine" and not _is_int(seed):
+        raise UnknownCodec(f"{codec} layer without an integer seed")
     parts = len(layer.keys) if isinstance(layer.keys, (tuple, list)) else 3
     if parts == 4:
         vals = [getattr(layer, a, None) for a in (SINK_ATTR, RECENT_START_ATTR, RECENT_ATTR)]
         if not all(_is_int(v) and v >= 0 for v in vals) or (
-            layer.keys[3].shape[-2] != vals[0] + vals[2]
+            layer.keys[3].shape[-2] > vals[0] + vals[2]  # a prefix copy may cut it shorter
         ):
             raise UnknownCodec("protected tokens without a consistent record")
     elif parts != 3:
         raise UnknownCodec(f"stored layer has {parts} key arrays")
+    if codec == "rotated-channel" and layer.keys is not None and layer.offset > 0:
+        from kvplugin.cache.channel import scale_rows
+
+        words, scales = layer.keys[0], layer.keys[1]
+        if (words.shape[-2] < layer.offset or scales.shape != layer.keys[2].shape
+                or scales.shape[-2] < scale_rows(layer.offset, layer.group_size)
+                or scales.shape[-1] * layer.bits != words.shape[-1] * 32):
+            raise UnknownCodec("per-channel keys whose arrays do not match their record")
     return codec, seed if _is_int(seed) else 0
 
 
@@ -413,9 +430,14 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
         if layer.keys is not None and layer.offset > 0:
             n, dtype = layer.offset, _original_dtype(layer)
             vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
-            kv.keys = _dequantize(layer.keys, n, layer.group_size, layer.bits, dtype)
+            if codec == "rotated-channel":
+                from kvplugin.cache.channel import dequantize_channels
+
+                kv.keys = dequantize_channels(layer.keys, n, layer.group_size, layer.bits, dtype)
+            else:
+                kv.keys = _dequantize(layer.keys, n, layer.group_size, layer.bits, dtype)
             kv.values = _dequantize(layer.values, n, layer.group_size, vbits, dtype)
-            if codec == "rotated":
+            if codec != "affine":
                 from kvplugin.cache.rotation import unrotate
 
                 kv.keys, kv.values = unrotate(kv.keys, seed), unrotate(kv.values, seed)

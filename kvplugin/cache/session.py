@@ -38,6 +38,7 @@ from kvplugin.cache.store import PromptStore
 from kvplugin.cache.tiers import remote_stats
 from kvplugin.cache.tiers.shutdown import ShutdownOnlyTier
 from kvplugin.cache.validate import ModelChecker
+from kvplugin.codecs import codec_plan
 from kvplugin.settings import KVPluginSettings, masked_url
 
 __all__ = ["Counters", "KVService", "describe_entry", "persist_dir", "store_key"]
@@ -486,15 +487,14 @@ class KVService:
         store = asdict(store_stats if store_stats is not None else self.store.stats())
         out.update({f"store_{k}": v for k, v in store.items()})
         s = self.settings
+        plan = codec_plan(s)
         out["quantization"] = (
             {"bits": s.kv_cache_quantization_bits,
              "group_size": s.kv_cache_quantization_group_size,
              "min_tokens": s.kv_cache_min_quantize_tokens,
-             "codec": s.kv_cache_codec,
-             "key_bits": s.kv_cache_key_bits or s.kv_cache_quantization_bits,
-             "value_bits": s.kv_cache_value_bits or s.kv_cache_quantization_bits,
-             "sink_tokens": s.kv_cache_sink_tokens,
-             "recent_tokens": s.kv_cache_recent_tokens}
+             "codec": plan.codec, "codec_setting": s.kv_cache_codec,
+             "key_bits": plan.key_bits, "value_bits": plan.value_bits,
+             "sink_tokens": plan.sink_tokens, "recent_tokens": plan.recent_tokens}
             if s.kv_cache_quantization else None
         )
         tier = self._cold_tier_stats()

@@ -114,9 +114,15 @@ def _attention_problem(layer: Any, ref: Reference, where: str) -> str | None:
         if want is None or got is None:
             continue
         dtype, shape = want
-        if bits is not None:  # (packed uint32, scales, biases): widths in packed words
-            if not isinstance(got, (list, tuple)) or len(got) != 3:
+        if bits is not None:  # (packed uint32, scales, biases[, protected rows]): widths
+            if not isinstance(got, (list, tuple)) or len(got) not in (3, 4):  # in packed words
                 return f"{where}.{name}: not a quantized triple"
+            if name == "values":
+                bits = getattr(layer, "kvplugin_value_bits", bits)
+            if len(got) == 4 and (got[3].dtype != dtype or got[3].shape[:-2] != shape[:-2]
+                                  or got[3].shape[-1] != shape[-1]):
+                return f"{where}.{name}: protected rows {tuple(got[3].shape)}/{got[3].dtype} " \
+                       f"for a model whose {name} are {shape}/{dtype}"
             packed, scales = got[0], got[1]
             width = packed.shape[-1] * 32 // int(bits)
             if (packed.ndim != len(shape) or packed.shape[:-2] != shape[:-2]

@@ -19,16 +19,17 @@ def kvplugin_quantize_entry(
 
     if num_tokens < settings.kv_cache_min_quantize_tokens:
         return None
-    bits = settings.kv_cache_quantization_bits
-    value_bits = settings.kv_cache_value_bits
+    from kvplugin.codecs import codec_plan
+
+    plan = codec_plan(settings)
     result = quantize.quantize_entry(
         cache,
-        bits=settings.kv_cache_key_bits or bits,
-        value_bits=value_bits or bits,
-        codec=settings.kv_cache_codec,
-        sink_tokens=settings.kv_cache_sink_tokens,
-        recent_tokens=settings.kv_cache_recent_tokens,
-        group_size=settings.kv_cache_quantization_group_size,
+        bits=plan.key_bits,
+        value_bits=plan.value_bits,
+        codec=plan.codec,
+        sink_tokens=plan.sink_tokens,
+        recent_tokens=plan.recent_tokens,
+        group_size=plan.group_size,
         consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None

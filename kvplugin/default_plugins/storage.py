@@ -17,11 +17,12 @@ def entry_format(settings: KVPluginSettings) -> str:
     differently must never read each other's entries (the remote tier's namespace)."""
     if not settings.kv_cache_quantization:
         return "full"
-    s = settings
-    return (f"{s.kv_cache_codec}:k{s.kv_cache_key_bits or s.kv_cache_quantization_bits}"
-            f"v{s.kv_cache_value_bits or s.kv_cache_quantization_bits}"
-            f":g{s.kv_cache_quantization_group_size}:min{s.kv_cache_min_quantize_tokens}"
-            f":sink{s.kv_cache_sink_tokens}:recent{s.kv_cache_recent_tokens}")
+    from kvplugin.codecs import codec_plan
+
+    plan = codec_plan(settings)
+    return (f"{plan.codec}:k{plan.key_bits}v{plan.value_bits}:g{plan.group_size}"
+            f":min{settings.kv_cache_min_quantize_tokens}"
+            f":sink{plan.sink_tokens}:recent{plan.recent_tokens}")
 
 
 @hookimpl(trylast=True)

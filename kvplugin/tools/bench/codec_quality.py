@@ -35,12 +35,13 @@ from kvplugin.tools.bench.report import environment, format_table, save_results
 __all__ = ["DEFAULT_CODECS", "parse_codec", "main"]
 
 DEFAULT_CODECS = (
-    "affine-k8v8-g64-s0r0", "affine-k4v4-g64-s0r0", "affine-k8v4-g64-s0r0",
-    "rotated-k8v8-g64-s0r0", "rotated-k4v4-g64-s0r0", "rotated-k8v4-g64-s0r0",
-    "affine-k4v4-g64-s4r32", "rotated-k4v4-g64-s4r32", "rotated-k4v4-g32-s4r32",
-    "rotated-k4v3-g64-s4r32", "rotated-k3v3-g64-s4r32",
+    "affine-k8v8-g64-s0r0", "rotated-channel-k8v8-g64-s0r0", "affine-k4v4-g64-s0r0",
+    "rotated-k4v4-g64-s4r32", "rotated-channel-k4v4-g64-s0r0",
+    "rotated-channel-k4v4-g64-s4r0", "rotated-channel-k4v4-g64-s4r32",
+    "rotated-channel-k8v4-g64-s4r32", "rotated-channel-k5v4-g64-s4r32",
+    "rotated-channel-k4v3-g64-s4r32", "rotated-channel-k3v3-g64-s4r32",
 )
-_SPEC = re.compile(r"(affine|rotated)-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
+_SPEC = re.compile(r"(affine|rotated|rotated-channel)-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
 
 
 def parse_codec(spec: str) -> dict[str, Any]:
@@ -139,7 +140,8 @@ def _plot(rows: list[dict], path: Path, title: str) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
-        colour = "tab:blue" if r["codec"].startswith("rotated") else "tab:grey"
+        colour = ("tab:green" if r["codec"].startswith("rotated-channel") else
+                  "tab:blue" if r["codec"].startswith("rotated") else "tab:grey")
         ax.scatter(r["bytes_vs_fp16"], max(r["mean_kl"], 1e-7), color=colour)
         ax.annotate(r["codec"], (r["bytes_vs_fp16"], max(r["mean_kl"], 1e-7)), fontsize=7)
     ax.set_yscale("log")
