@@ -84,16 +84,14 @@ def q8(start_server, smollm2_dir, server_env, stock):
                      "--kv-cache-quantization-bits", "8")
 
 
-# The 4-bit-class codec measured best in docs/benchmarks.md (issue 15): rotated 4-bit keys
-# and values, with 4 sink and 32 recent tokens kept at full precision.
-Q4_CODEC = ("--kv-cache-quantization", "--kv-cache-quantization-bits", "4",
-            "--kv-cache-codec", "rotated", "--kv-cache-sink-tokens", "4",
-            "--kv-cache-recent-tokens", "32")
+# 4-bit entries at the default codec (auto): rotated keys quantized per channel, rotated
+# values per token, 4 sink and 32 recent tokens at full precision (issue 15).
+Q4_DEFAULT = ("--kv-cache-quantization-bits", "4")
 
 
 @pytest.fixture(scope="module")
-def q4rot(start_server, smollm2_dir, server_env, stock):
-    return _kvplugin(start_server, smollm2_dir, server_env, *Q4_CODEC)
+def q4(start_server, smollm2_dir, server_env, stock):
+    return _kvplugin(start_server, smollm2_dir, server_env, *Q4_DEFAULT)
 
 
 def test_stock_answers_are_coherent_english(stock):
@@ -104,7 +102,7 @@ def test_stock_answers_are_coherent_english(stock):
     assert all(cached_tokens(r) > 1500 for r in stock[1:]), [r["usage"] for r in stock]
 
 
-@pytest.mark.parametrize("config", ["fp16", "q8", "q4rot"])
+@pytest.mark.parametrize("config", ["fp16", "q8", "q4"])
 def test_kvplugin_answers_equal_stock_and_reuse_at_least_as_much(request, stock, config):
     results, stats = request.getfixturevalue(config)
     assert [answer_text(r) for r in results] == [answer_text(r) for r in stock]
@@ -112,9 +110,9 @@ def test_kvplugin_answers_equal_stock_and_reuse_at_least_as_much(request, stock,
         assert mine["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
         assert cached_tokens(mine) >= cached_tokens(theirs), (mine["usage"], theirs["usage"])
     assert stats["store_hits"] >= len(results) - 1, stats
-    if config == "q4rot":
-        assert stats["quantization"]["codec"] == "rotated", stats
-        assert set(stats["bytes_stored_by_codec"]) == {"rotated-k4v4-s4r32"}, stats
+    if config == "q4":
+        assert stats["quantization"]["codec"] == "rotated-channel", stats
+        assert set(stats["bytes_stored_by_codec"]) == {"rotated-channel-k4v4-s4r32"}, stats
         assert stats["bytes_stored"] < 0.35 * stats["bytes_before"], stats
     elif config == "q8":
         assert stats["quantization"]["bits"] == 8, stats

@@ -104,3 +104,47 @@ def test_every_codec_layout_fits_the_model_that_made_it():
                            sink_tokens=4).cache
     entry[0].keys = entry[0].keys[:3] + (entry[0].keys[3][..., :32],)  # rows cut to 32 wide
     assert "protected rows" in entry_problem(entry, ref)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_runs_from_a_default_4bit_entry_read_back_from_the_tier(family, tmp_path):
+    """The default 4-bit codec (auto: rotated-channel, 4 sink + 32 recent tokens) on every
+    family's real cache layers (nested ``CacheList`` children too), through the SSD tier: the
+    entry fits, comes back, and the model continues from it closer to the full-precision
+    entry than from plain 4-bit affine (random weights: their logits, not answers)."""
+    import copy
+
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    from kvplugin.cache.layers import entry_arrays
+    from kvplugin.cache.quantize import CODEC_ATTR, dequantize_entry, quantize_entry
+    from kvplugin.cache.tiers.ssd import SSDTier
+    from kvplugin.tools.models.families import build_family_model
+
+    model, _ = load(str(build_family_model(family, tmp_path / "model")))
+    tokens = [(7 * i) % 50 + 1 for i in range(100)]
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+
+    def error(entry: list) -> float:
+        nxt = mx.array([[5]])
+        want = model(nxt, cache=copy.deepcopy(cache)).astype(mx.float32)
+        have = model(nxt, cache=entry).astype(mx.float32)
+        return float(mx.sqrt(mx.sum((have - want) ** 2)) / mx.sqrt(mx.sum(want**2)))
+
+    affine = error(dequantize_entry(
+        quantize_entry(copy.deepcopy(cache), bits=4, group_size=64, codec="affine").cache))
+    q = quantize_entry(copy.deepcopy(cache), bits=4, group_size=64, codec="rotated-channel",
+                       sink_tokens=4, recent_tokens=32).cache
+    flat = [c for layer in q for c in getattr(layer, "caches", [layer])]
+    codecs = {getattr(c, CODEC_ATTR) for c in flat if hasattr(c, CODEC_ATTR)}
+    assert codecs == (set() if family == "mamba" else {"rotated-channel"}), codecs
+    tier = SSDTier(tmp_path / "kv", 1 << 30)
+    assert tier.put("m", tokens, q)
+    got = tier.fetch("m", tokens + [5])
+    assert got is not None and entry_problem(got[0], reference_of(model)) is None
+    restored = dequantize_entry(got[0])
+    assert all(a.dtype != mx.uint32 for a in entry_arrays(restored))
+    assert error(restored) <= affine, (family, error(restored), affine)

@@ -278,7 +278,9 @@ def quantize_entry(
 
     for i, layer in enumerate(cache):
         if type(layer) is CacheList:  # nested (Falcon-H1: state + attention): its K/V children
-            inner = quantize_entry(list(layer.caches), bits=bits, group_size=group_size)
+            inner = quantize_entry(list(layer.caches), bits=bits, group_size=group_size,
+                                   codec=codec, value_bits=value_bits,
+                                   sink_tokens=sink_tokens, recent_tokens=recent_tokens)
             skipped += inner.skipped
             if inner.quantized:
                 out[i] = _cache_list(layer, inner.cache)
