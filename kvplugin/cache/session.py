@@ -544,7 +544,7 @@ class KVService:
         if s.kv_cache_quantization:
             quant = (f"{s.kv_cache_quantization_bits}-bit entries, group "
                      f"{s.kv_cache_quantization_group_size}, from "
-                     f"{s.kv_cache_min_quantize_tokens} tokens")
+                     f"{s.kv_cache_min_quantize_tokens} tokens, codec {codec_plan(s).name}")
         else:
             quant = "off"
         budget = ("unlimited" if store.max_bytes >= _UNLIMITED
