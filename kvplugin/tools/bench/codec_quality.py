@@ -36,10 +36,9 @@ __all__ = ["DEFAULT_CODECS", "parse_codec", "main"]
 
 DEFAULT_CODECS = (
     "affine-k8v8-g64-s0r0", "rotated-channel-k8v8-g64-s0r0", "affine-k4v4-g64-s0r0",
-    "rotated-k4v4-g64-s4r32", "rotated-channel-k4v4-g64-s0r0",
-    "rotated-channel-k4v4-g64-s4r0", "rotated-channel-k4v4-g64-s4r32",
-    "rotated-channel-k8v4-g64-s4r32", "rotated-channel-k5v4-g64-s4r32",
-    "rotated-channel-k4v3-g64-s4r32", "rotated-channel-k3v3-g64-s4r32",
+    "rotated-k4v4-g64-s4r32", "rotated-channel-k4v4-g64-s4r0",
+    "rotated-channel-k4v4-g64-s4r16", "rotated-channel-k4v4-g64-s4r32",
+    "rotated-channel-k4v3-g64-s4r16", "rotated-channel-k3v3-g64-s4r16",
 )
 _SPEC = re.compile(r"(affine|rotated|rotated-channel)-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
 
