@@ -8,7 +8,7 @@ does ``--kv-cache-codec auto`` with these bits mean", so it is decided once, her
 (docs/benchmarks.md, SmolLM2-135M): at 6 or more key bits plain ``affine`` is already
 within 1e-4 nats of the fp16 entry and the rotation only costs time; below, keys rotated and
 quantized per channel (``rotated-channel``) with the first 4 tokens (attention sinks) and
-the last 32 kept at full precision lose several times less than ``affine`` at the same size.
+the last 16 kept at full precision lose several times less than ``affine`` at the same size.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ CHOICES = ("auto",) + CODECS
 AUTO_AFFINE_FROM_BITS = 6
 #: Sink and recent tokens kept at full precision when not given: the rotated codecs need
 #: the sinks (their huge keys otherwise set the range of a whole group).
-PROTECTED_DEFAULT = {"affine": (0, 0), "rotated": (4, 32), "rotated-channel": (4, 32)}
+PROTECTED_DEFAULT = {"affine": (0, 0), "rotated": (4, 16), "rotated-channel": (4, 16)}
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class CodecPlan:
 
     @property
     def name(self) -> str:
-        """As stored layers name it (``codec_name``), e.g. ``rotated-channel-k4v4-s4r32``."""
+        """As stored layers name it (``codec_name``), e.g. ``rotated-channel-k4v4-s4r16``."""
         extra = (f"-s{self.sink_tokens}r{self.recent_tokens}"
                  if self.sink_tokens or self.recent_tokens else "")
         return f"{self.codec}-k{self.key_bits}v{self.value_bits}{extra}"

@@ -145,7 +145,7 @@ class KVPluginSettings(BaseSettings):
     kv_cache_recent_tokens: int | None = Field(
         None,
         description="The last tokens of a quantized entry kept at full precision besides. "
-        "Default: 32 with the rotated codecs, 0 with affine.",
+        "Default: 16 with the rotated codecs, 0 with affine.",
         json_schema_extra={"allowed": "an integer >= 0"},
     )
     kv_cache_min_quantize_tokens: int = Field(

@@ -108,7 +108,7 @@ def test_every_codec_layout_fits_the_model_that_made_it():
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_runs_from_a_default_4bit_entry_read_back_from_the_tier(family, tmp_path):
-    """The default 4-bit codec (auto: rotated-channel, 4 sink + 32 recent tokens) on every
+    """The default 4-bit codec (auto: rotated-channel, 4 sink + 16 recent tokens) on every
     family's real cache layers (nested ``CacheList`` children too), through the SSD tier: the
     entry fits, comes back, and the model continues from it closer to the full-precision
     entry than from plain 4-bit affine (random weights: their logits, not answers)."""
@@ -137,7 +137,7 @@ def test_every_family_runs_from_a_default_4bit_entry_read_back_from_the_tier(fam
     affine = error(dequantize_entry(
         quantize_entry(copy.deepcopy(cache), bits=4, group_size=64, codec="affine").cache))
     q = quantize_entry(copy.deepcopy(cache), bits=4, group_size=64, codec="rotated-channel",
-                       sink_tokens=4, recent_tokens=32).cache
+                       sink_tokens=4, recent_tokens=16).cache
     flat = [c for layer in q for c in getattr(layer, "caches", [layer])]
     codecs = {getattr(c, CODEC_ATTR) for c in flat if hasattr(c, CODEC_ATTR)}
     assert codecs == (set() if family == "mamba" else {"rotated-channel"}), codecs
