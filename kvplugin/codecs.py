@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = ["CODECS", "CHOICES", "CodecPlan", "codec_plan"]
 
-CODECS = ("affine", "rotated", "rotated-channel")  # kvplugin.cache.quantize.CODECS
+CODECS = ("affine", "rotated", "rotated-channel")  # what kvplugin.cache.quantize can read
 CHOICES = ("auto",) + CODECS
 #: ``auto`` keeps ``affine`` from this many key bits on.
 AUTO_AFFINE_FROM_BITS = 6
@@ -32,8 +32,8 @@ class CodecPlan:
     """A resolved codec: what :func:`kvplugin.cache.quantize.quantize_entry` is called with."""
 
     codec: str
-    key_bits: int
-    value_bits: int
+    key_bits: int | None
+    value_bits: int | None
     group_size: int
     sink_tokens: int
     recent_tokens: int

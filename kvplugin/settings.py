@@ -122,7 +122,7 @@ class KVPluginSettings(BaseSettings):
         "auto",
         description="Codec of quantized entries: affine (mlx per-token groups), rotated (a "
         "seeded Hadamard along head_dim first), rotated-channel (rotated, keys quantized "
-        "per channel in groups of tokens), or auto: affine from 6 key bits on, "
+        "per channel in groups of group-size tokens), or auto: affine from 6 key bits on, "
         "rotated-channel below (the best measured, docs/benchmarks.md).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},
     )

@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from kvplugin.cache.layers import is_quantizable
+from kvplugin.codecs import CODECS, CodecPlan
 
 __all__ = [
     "ALLOWED_BITS",
@@ -60,7 +61,6 @@ VALUE_BITS_ATTR = "kvplugin_value_bits"
 SINK_ATTR = "kvplugin_sink_tokens"
 RECENT_ATTR = "kvplugin_recent_tokens"
 RECENT_START_ATTR = "kvplugin_recent_start"
-CODECS = ("affine", "rotated", "rotated-channel")
 
 
 class UnknownCodec(ValueError):
@@ -388,12 +388,10 @@ def _codec_of(layer: Any) -> tuple[str, int]:
 
 def codec_name(layer: Any) -> str:
     """A stored layer's codec for the per-codec byte counters, e.g. ``rotated-k4v4``."""
-    codec = getattr(layer, CODEC_ATTR, "affine")
     kbits = getattr(layer, "bits", None)
-    vbits = getattr(layer, VALUE_BITS_ATTR, kbits)
-    sink, recent = getattr(layer, SINK_ATTR, 0), getattr(layer, RECENT_ATTR, 0)
-    extra = f"-s{sink}r{recent}" if sink or recent else ""
-    return f"{codec}-k{kbits}v{vbits}{extra}"
+    return CodecPlan(getattr(layer, CODEC_ATTR, "affine"), kbits,
+                     getattr(layer, VALUE_BITS_ATTR, kbits), getattr(layer, "group_size", 0),
+                     getattr(layer, SINK_ATTR, 0), getattr(layer, RECENT_ATTR, 0)).name
 
 
 def dequantize_entry(cache: list, *, consume: bool = False) -> list:
