@@ -1,0 +1,36 @@
+"""``kvplugin bench --quality --real-model`` runs end to end on SmolLM2 and reports, per codec,
+the figures docs/benchmarks.md quotes (tiny sizes: a smoke run). Bytes are deterministic:
+they are asserted exactly; the quality figures only within their ranges."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvplugin import cli
+
+pytestmark = [pytest.mark.tooling, pytest.mark.real_model]
+
+
+def test_codec_bench_reports_every_codec(tmp_path):
+    out = tmp_path / "codecs"
+    codecs = ["affine-k8v8-g64-s0r0", "rotated-channel-k4v4-g64-s4r16"]
+    assert cli.main(["bench", "--quality", "--real-model", "--prompts", "1",
+                     "--prompt-tokens", "129", "--continuation-tokens", "4",
+                     "--codecs", ",".join(codecs), "--out", str(out)]) == 0
+    data = json.loads((out / "codecs.json").read_text())
+    assert "kvplugin bench --quality --real-model" in data["title"]
+    rows = {r["codec"]: r for r in data["rows"]}
+    assert list(rows) == codecs
+    # 128 tokens in the entry (the last prompt token is fed with the continuation)
+    assert rows["affine-k8v8-g64-s0r0"]["bytes_vs_fp16"] == pytest.approx(8 / 16 + 2 / 64)
+    # 4-bit codes, scales + minimums per 64 tokens (keys) or 64 channels (values),
+    # and 20 protected tokens at full precision besides
+    assert rows["rotated-channel-k4v4-g64-s4r16"]["bytes_vs_fp16"] == pytest.approx(
+        4 / 16 + 2 / 64 + 20 / 128)
+    for r in rows.values():
+        assert r["prompts"] == 1 and r["mean_kl"] >= 0 and r["max_kl"] >= r["mean_kl"]
+        assert 0 <= r["top1_agreement"] <= 1 and 0 <= r["free_running"] <= 1
+        assert r["ms_per_mib"] > 0
+    assert (out / "codecs-pareto.png").stat().st_size > 0
