@@ -296,3 +296,19 @@ def test_auto_codec_resolves_from_the_bits_and_reaches_the_stored_layers(flags, 
     assert list(stats["bytes_stored_by_codec"]) == [want]
     assert want.startswith(stats["quantization"]["codec"] + "-k")
     assert stats["quantization"]["codec_setting"] == flags.get("kv_cache_codec", "auto")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_channel_packing_round_trips_every_width(bits):
+    """Per-channel codes are packed by kvplugin itself; for 2/4/8 bits in mx.quantize's own
+    layout (mx.dequantize with unit scales reads them back)."""
+    from kvplugin.cache.channel import _pack, _unpack
+
+    codes = mx.random.randint(0, 1 << bits, (2, 3, 70, 64), key=mx.random.key(bits))
+    words = _pack(codes, bits)
+    assert words.dtype == mx.uint32 and words.shape[-1] == 64 * bits // 32
+    assert mx.array_equal(_unpack(words, bits), codes.astype(mx.uint32))
+    if 32 % bits == 0:
+        ones = mx.ones((2, 3, 70, 1))
+        read = mx.dequantize(words, ones, ones * 0, group_size=64, bits=bits)
+        assert mx.array_equal(read.astype(mx.uint32), codes.astype(mx.uint32))

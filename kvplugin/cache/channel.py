@@ -28,10 +28,19 @@ def scale_rows(tokens: int, group: int) -> int:
     return -(-tokens // group)
 
 
+def _shifts(bits: int) -> mx.array:
+    return mx.array([bits * i for i in range(32 // bits)], dtype=mx.uint32)
+
+
 def _pack(codes: mx.array, bits: int) -> mx.array:
     """``(..., D)`` integer codes below ``2**bits`` -> ``(..., D * bits / 32)`` uint32 words:
-    every 32 codes fill ``bits`` words, code ``j`` at bit ``j * bits`` of the stream."""
+    every 32 codes fill ``bits`` words, code ``j`` at bit ``j * bits`` of the stream (for 2, 4
+    and 8 bits the same layout as ``mx.quantize``'s; a test holds it to that)."""
     *lead, width = codes.shape
+    if 32 % bits == 0:  # 2, 4, 8 bits: whole codes per word, one vectorised shift-and-sum
+        per = 32 // bits
+        c = codes.astype(mx.uint32).reshape(*lead, width // per, per)
+        return (c << _shifts(bits)).sum(axis=-1).astype(mx.uint32)
     c = codes.astype(mx.uint32).reshape(*lead, width // 32, 32)
     words: list[mx.array | None] = [None] * bits
     for j in range(32):
@@ -47,8 +56,10 @@ def _pack(codes: mx.array, bits: int) -> mx.array:
 def _unpack(words: mx.array, bits: int) -> mx.array:
     """Inverse of :func:`_pack`: ``(..., W)`` uint32 -> ``(..., W * 32 / bits)`` uint32."""
     *lead, width = words.shape
-    w = words.reshape(*lead, width // bits, bits)
     mask = mx.array((1 << bits) - 1, dtype=mx.uint32)
+    if 32 % bits == 0:
+        return ((words[..., None] >> _shifts(bits)) & mask).reshape(*lead, width * 32 // bits)
+    w = words.reshape(*lead, width // bits, bits)
     codes = []
     for j in range(32):
         word, shift = divmod(j * bits, 32)
