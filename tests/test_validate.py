@@ -106,7 +106,13 @@ def test_every_codec_layout_fits_the_model_that_made_it():
     assert "protected rows" in entry_problem(entry, ref)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# mlx-lm 0.31.3's llama4 cannot continue its own fresh cache after this prefill (stock fails
+# in its chunked attention mask), so there is nothing to compare with on that version.
+_CONTINUING = [pytest.param(f, marks=pytest.mark.host_version("mlx-lm", ">=0.32.0"))
+               if f == "llama4" else f for f in sorted(FAMILIES)]
+
+
+@pytest.mark.parametrize("family", _CONTINUING)
 def test_every_family_runs_from_a_default_4bit_entry_read_back_from_the_tier(family, tmp_path):
     """The default 4-bit codec (auto: rotated-channel, 4 sink + 16 recent tokens) on every
     family's real cache layers (nested ``CacheList`` children too), through the SSD tier: the
