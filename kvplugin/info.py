@@ -74,6 +74,7 @@ def activation() -> dict[str, Any]:
 
 def collect(flags: Mapping[str, Any]) -> dict[str, Any]:
     """Everything ``kvplugin info`` prints (raises SettingsError on a bad value)."""
+    from kvplugin.codecs import codec_plan
     from kvplugin.hosts import all_adapters
     from kvplugin.plugins import list_plugins
     from kvplugin.tools.models.tiny import kvplugin_home
@@ -102,6 +103,8 @@ def collect(flags: Mapping[str, Any]) -> dict[str, Any]:
              "source": sources[i.field]}
             for i in option_infos()
         ],
+        # what --kv-cache-codec auto and unset protected tokens resolve to (None: off)
+        "codec": codec_plan(settings).name if settings.kv_cache_quantization else None,
         "model_cache": str(kvplugin_home()),
     }
 
@@ -131,5 +134,7 @@ def render(info: Mapping[str, Any]) -> str:
     lines.append("\nsettings (flag > env > file > default):")
     for s in info["settings"]:
         lines.append(f"  {s['flag']:<36} {s['value']!s:<12} [{s['source']}]  {s['env']}")
+    if info["codec"]:
+        lines.append(f"  stored entries' codec (resolved): {info['codec']}")
     lines.append(f"\nmodel cache (tiny and real models built offline): {info['model_cache']}")
     return "\n".join(lines)

@@ -394,3 +394,10 @@ def test_server_bench_ratios_goals_and_tables():
     goal = {g.name: g for g in server.goals(res)}["decode throughput kvplugin / stock"]
     assert goal.met is False and goal.value == pytest.approx(0.97)
     assert "stock time / kvplugin time" in goal.note
+
+
+def test_info_says_what_the_auto_codec_resolves_to(capsys):
+    assert cli.main(["info", "--kv-cache-quantization-bits", "4"]) == 0
+    assert "stored entries' codec (resolved): rotated-channel-k4v4-s4r16" in capsys.readouterr().out
+    assert cli.main(["info"]) == 0  # quantization off: no codec line
+    assert "codec (resolved)" not in capsys.readouterr().out
