@@ -5,7 +5,8 @@ Why per channel: a real model's keys differ far more *between* channels (each ha
 offset and range, a few carry outliers) than between tokens within a channel, so a scale per
 channel spends the bits where keys vary. Measured on SmolLM2-135M (docs/benchmarks.md), 4-bit
 entries with keys per channel after the Hadamard rotation lose less than half the KL of
-per-token groups (4.4e-4 vs 1.0e-3 nats, same protected tokens). Values stay per token (their error averages out in the attention sum).
+per-token groups (4.4e-4 vs 1.0e-3 nats, same protected tokens). Values stay per token
+(their error averages out in the attention sum).
 
 Layout, chosen so that everything that cuts entries along the token axis keeps working
 unchanged (trim, prefix copies, cold-tier files): the packed codes are **token-major**, one
@@ -26,6 +27,11 @@ __all__ = ["quantize_channels", "dequantize_channels", "scale_rows"]
 def scale_rows(tokens: int, group: int) -> int:
     """Rows of scales (and minimums) ``tokens`` tokens need in groups of ``group``."""
     return -(-tokens // group)
+
+
+def _per_token(rows: mx.array, group: int, n: int) -> mx.array:
+    """One row per group of tokens -> one row per token (float32), for the first ``n``."""
+    return mx.repeat(rows.astype(mx.float32), group, axis=-2)[..., :n, :]
 
 
 def _shifts(bits: int) -> mx.array:
@@ -85,8 +91,7 @@ def quantize_channels(x: mx.array, group: int, bits: int) -> tuple[mx.array, mx.
     # Stored in x's dtype: codes are computed from the stored (rounded) scale and minimum.
     scales = ((high - low) / levels).astype(x.dtype)
     mins = low.astype(x.dtype)
-    step = mx.repeat(scales.astype(mx.float32), group, axis=-2)[..., :n, :]
-    base = mx.repeat(mins.astype(mx.float32), group, axis=-2)[..., :n, :]
+    step, base = _per_token(scales, group, n), _per_token(mins, group, n)
     codes = mx.round((x.astype(mx.float32) - base) / mx.where(step > 0, step, 1.0))
     codes = mx.clip(codes, 0, levels)
     return _pack(codes, bits), scales, mins
@@ -97,6 +102,6 @@ def dequantize_channels(parts, n: int, group: int, bits: int, dtype) -> mx.array
     words, scales, mins = parts[0][..., :n, :], parts[1], parts[2]
     rows = scale_rows(n, group)
     codes = _unpack(words, bits).astype(mx.float32)
-    step = mx.repeat(scales[..., :rows, :].astype(mx.float32), group, axis=-2)[..., :n, :]
-    base = mx.repeat(mins[..., :rows, :].astype(mx.float32), group, axis=-2)[..., :n, :]
+    step = _per_token(scales[..., :rows, :], group, n)
+    base = _per_token(mins[..., :rows, :], group, n)
     return (codes * step + base).astype(dtype)

@@ -28,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvplugin.cache.layers import layout_of
+from kvplugin.cache.quantize import VALUE_BITS_ATTR
 
 __all__ = ["ModelChecker", "Reference", "entry_problem", "reference_of"]
 
@@ -118,7 +119,7 @@ def _attention_problem(layer: Any, ref: Reference, where: str) -> str | None:
             if not isinstance(got, (list, tuple)) or len(got) not in (3, 4):  # in packed words
                 return f"{where}.{name}: not a quantized triple"
             if name == "values":
-                bits = getattr(layer, "kvplugin_value_bits", bits)
+                bits = getattr(layer, VALUE_BITS_ATTR, bits)
             if len(got) == 4 and (got[3].dtype != dtype or got[3].shape[:-2] != shape[:-2]
                                   or got[3].shape[-1] != shape[-1]):
                 return f"{where}.{name}: protected rows {tuple(got[3].shape)}/{got[3].dtype} " \
