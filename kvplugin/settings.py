@@ -122,8 +122,8 @@ class KVPluginSettings(BaseSettings):
         "auto",
         description="Codec of quantized entries: affine (mlx per-token groups), rotated (a "
         "seeded Hadamard along head_dim first), rotated-channel (rotated, keys quantized "
-        "per channel in groups of group-size tokens), or auto: affine from 6 key bits on, "
-        "rotated-channel below (the best measured, docs/benchmarks.md).",
+        "per channel in groups of group-size tokens), or auto: rotated-channel, the best "
+        "measured at every width (docs/benchmarks.md).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},
     )
     kv_cache_key_bits: int | None = Field(
@@ -139,13 +139,13 @@ class KVPluginSettings(BaseSettings):
     kv_cache_sink_tokens: int | None = Field(
         None,
         description="The first tokens of a quantized entry (attention sinks) kept at full "
-        "precision besides. Default: 4 with the rotated codecs, 0 with affine.",
+        "precision besides. Default: 4 with the rotated codecs below 6 bits, else 0.",
         json_schema_extra={"allowed": "an integer >= 0"},
     )
     kv_cache_recent_tokens: int | None = Field(
         None,
         description="The last tokens of a quantized entry kept at full precision besides. "
-        "Default: 16 with the rotated codecs, 0 with affine.",
+        "Default: 16 with the rotated codecs below 6 bits, else 0.",
         json_schema_extra={"allowed": "an integer >= 0"},
     )
     kv_cache_min_quantize_tokens: int = Field(

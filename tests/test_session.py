@@ -17,6 +17,7 @@ from kvplugin.cache.quantize import dequantize_entry, quantize_entry
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.checks import host_option_conflict, model_problem
 from kvplugin.cache.session import KVService
+from kvplugin.codecs import codec_plan
 from kvplugin.hookspecs import hookimpl
 from kvplugin.settings import SettingsError, resolve_settings
 
@@ -125,8 +126,9 @@ def test_a_reused_quantized_entry_is_freed_layer_by_layer_as_it_is_restored(pm):
     stored = s.store.entries()[0].nbytes
     full = layers * 2 * H * tokens * D * 2  # fp16 keys and values
     assert stored < 0.6 * full
-    one_layer = _peak_rise(lambda: dequantize_entry(
-        quantize_entry(filled(tokens, 1), bits=8, group_size=64).cache, consume=True))
+    plan = codec_plan(s.settings)  # one layer's restore work, with the codec stored
+    one_layer = _peak_rise(lambda: dequantize_entry(quantize_entry(
+        filled(tokens, 1), bits=8, group_size=64, codec=plan.codec).cache, consume=True))
     cache, n = None, 0
 
     def fetch():
@@ -157,8 +159,9 @@ def test_the_next_turn_of_a_reused_entry_is_quantized_layer_by_layer(pm):
         k = mx.zeros((1, H, 16, D), dtype=mx.float16)
         layer.update_and_fetch(k, k)
     mx.eval([c.keys for c in cache])
+    codec = codec_plan(s.settings).codec
     one_layer = _peak_rise(lambda: quantize_entry(filled(tokens + 16, 1), bits=8,
-                                                  group_size=64, consume=True))
+                                                  group_size=64, codec=codec, consume=True))
     rise = _peak_rise(lambda: s.insert("m", list(range(tokens + 16)), cache))
     stored = s.store.entries()[0].nbytes
     assert len(s.store) == 1 and s.store.entries()[0].tokens == tuple(range(tokens + 16))
@@ -289,5 +292,5 @@ def test_active_line_says_what_is_on(pm):
     line = s.active_line("1.2.3", stats_path="/kvplugin/stats", mode="batching")
     assert line.startswith("active on mlx-lm 1.2.3 (batching)")
     assert "64 MiB, 5 entries" in line and "8-bit entries, group 64" in line
-    assert "codec affine-k8v8" in line  # what --kv-cache-codec auto chose, said at start-up
+    assert "codec rotated-channel-k8v8;" in line  # what --kv-cache-codec auto chose, said at start-up
     assert "max-kv-size: 256 tokens" in line and "GET /kvplugin/stats" in line
