@@ -19,10 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODECS", "CHOICES", "CodecPlan", "codec_plan"]
+__all__ = ["CODECS", "CHOICES", "CODEC_ATTR", "SEED_ATTR", "CodecPlan", "UnknownCodec",
+           "codec_plan"]
 
 CODECS = ("affine", "rotated", "rotated-channel")  # what kvplugin.cache.quantize can read
 CHOICES = ("auto",) + CODECS
+#: What a stored layer records its codec and rotation seed under (scalar attributes, which
+#: the SSD and remote formats carry); a layer without the codec attribute is ``affine``.
+CODEC_ATTR = "kvplugin_codec"
+SEED_ATTR = "kvplugin_codec_seed"
 #: what ``auto`` resolves to
 AUTO_CODEC = "rotated-channel"
 #: Sink and recent tokens kept at full precision when not given, for the rotated codecs
@@ -30,6 +35,10 @@ AUTO_CODEC = "rotated-channel"
 #: sinks (whose huge keys otherwise set the range of a whole group). ``affine``: none.
 PROTECTED_DEFAULT = (4, 16)
 PROTECT_BELOW_BITS = 6
+
+
+class UnknownCodec(ValueError):
+    """A stored layer names a codec (or parameters) this kvplugin cannot decode: a miss."""
 
 
 @dataclass(frozen=True)

@@ -145,8 +145,11 @@ def test_every_family_runs_from_a_default_4bit_entry_read_back_from_the_tier(fam
     q = quantize_entry(copy.deepcopy(cache), bits=4, group_size=64, codec="rotated-channel",
                        sink_tokens=4, recent_tokens=16).cache
     flat = [c for layer in q for c in getattr(layer, "caches", [layer])]
-    codecs = {getattr(c, CODEC_ATTR) for c in flat if hasattr(c, CODEC_ATTR)}
-    assert codecs == (set() if family == "mamba" else {"rotated-channel"}), codecs
+    codecs = {(type(c).__name__, getattr(c, CODEC_ATTR)) for c in flat if hasattr(c, CODEC_ATTR)}
+    want = set() if family == "mamba" else {("QuantizedKVCache", "rotated-channel")}
+    if family in ("gemma3_text", "gpt_oss"):  # their sliding windows: rotated per token
+        want.add(("QuantizedRotatingKVCache", "rotated"))
+    assert codecs == want, codecs
     tier = SSDTier(tmp_path / "kv", 1 << 30)
     assert tier.put("m", tokens, q)
     got = tier.fetch("m", tokens + [5])
@@ -154,6 +157,8 @@ def test_every_family_runs_from_a_default_4bit_entry_read_back_from_the_tier(fam
     restored = dequantize_entry(got[0])
     assert all(a.dtype != mx.uint32 for a in entry_arrays(restored))
     got_error = error(restored)  # (a forward pass changes the entry: measured once)
-    # random weights have no outlier channels nor sinks: the two are close there, and a
-    # broken codec (misread layout, lost rotation) is far worse than affine
-    assert got_error <= 1.05 * affine, (family, got_error, affine)
+    # random weights have no outlier channels nor sinks: the two codecs' per-layer errors
+    # are alike there (~0.09 of the keys), their effect on one random model's logits differs
+    # by up to ~30% either way (gemma3 0.20 vs 0.16, gpt_oss 0.03 vs 0.04), while a broken
+    # codec (misread layout, a rotation not undone) gives 1.0-1.3, over 6x affine's
+    assert got_error <= 1.5 * affine, (family, got_error, affine)

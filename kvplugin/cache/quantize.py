@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from kvplugin.cache.layers import is_quantizable
-from kvplugin.codecs import CODECS, CodecPlan
+from kvplugin.codecs import CODEC_ATTR, CODECS, SEED_ATTR, CodecPlan, UnknownCodec
 
 __all__ = [
     "ALLOWED_BITS",
@@ -50,9 +50,8 @@ ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 DTYPE_ATTR = "kvplugin_dtype"
 # What a stored layer records about its codec (scalars: they ride along in the SSD file's
-# layer attributes, see kvplugin.cache.serialize). A layer without CODEC_ATTR is ``affine``.
-CODEC_ATTR = "kvplugin_codec"
-SEED_ATTR = "kvplugin_codec_seed"
+# layer attributes, see kvplugin.cache.serialize): CODEC_ATTR and SEED_ATTR (kvplugin.codecs;
+# a layer without CODEC_ATTR is ``affine``), and
 VALUE_BITS_ATTR = "kvplugin_value_bits"
 # Protected tokens: the first SINK_ATTR tokens and RECENT_ATTR tokens from RECENT_START_ATTR
 # on are kept at full precision as a 4th array of the keys/values tuples (sinks then recent),
@@ -61,10 +60,6 @@ VALUE_BITS_ATTR = "kvplugin_value_bits"
 SINK_ATTR = "kvplugin_sink_tokens"
 RECENT_ATTR = "kvplugin_recent_tokens"
 RECENT_START_ATTR = "kvplugin_recent_start"
-
-
-class UnknownCodec(ValueError):
-    """A stored layer names a codec (or parameters) this kvplugin cannot decode: a miss."""
 
 
 @dataclass
@@ -291,7 +286,7 @@ def quantize_entry(
                 layer, bits, group_size, codec, value_bits, sink_tokens, recent_tokens
             )
         elif is_rotating_quantizable(layer, group_size):
-            q = quantize_rotating(layer, bits, group_size)  # affine, key bits: windows are short
+            q = quantize_rotating(layer, bits, group_size, codec)  # key bits: windows are short
         else:
             skipped += 1
             continue
@@ -406,11 +401,17 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
     Raises :class:`UnknownCodec` (before changing anything) when a layer records a codec this
     version does not know: the caller treats the entry as a miss.
     """
-    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, dequantize_rotating
+    from kvplugin.cache.quantize_rotating import (
+        QuantizedRotatingKVCache,
+        dequantize_rotating,
+        rotating_codec,
+    )
 
     for layer in cache:
         if type(layer) is QuantizedKVCache:
             _codec_of(layer)
+        elif type(layer) is QuantizedRotatingKVCache:
+            rotating_codec(layer)
     out = cache if consume else list(cache)
     for i, layer in enumerate(cache):
         if type(layer) is CacheList:

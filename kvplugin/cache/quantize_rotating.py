@@ -6,6 +6,12 @@ rotating layers used to be stored at full precision: with ``--max-kv-size`` and
 and the sliding-window layers of Gemma 3 or gpt-oss never were. A rotating layer's slots are
 quantized here as they are (whatever their ring order), with what is needed to give back
 the very same class, slots, ``_idx``, ``offset``, ``keep`` and ``max_size`` on reuse.
+
+With a rotated codec the slots are rotated along head_dim first (``rotated``: the seeded
+Hadamard of :mod:`kvplugin.cache.rotation`, then per-token groups), which spreads a few large
+channels over all of them as it does for linear layers. Per-channel key groups and protected
+tokens are not applied to a ring: its slots are not in token order, and a sliding window
+holds no attention sinks (``keep`` tokens aside).
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
+from kvplugin.cache import rotation
 from kvplugin.cache.layers import LayerKind, register_kind
+from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, UnknownCodec
 
 __all__ = ["QuantizedRotatingKVCache", "quantize_rotating", "dequantize_rotating",
            "is_rotating_quantizable"]
@@ -41,6 +49,8 @@ class QuantizedRotatingKVCache:
         self.dtype_name = "float16"
         self.cls = "mlx_lm.models.cache:RotatingKVCache"
         self.step: int | None = None
+        setattr(self, CODEC_ATTR, "affine")  # what older records, without it, were
+        setattr(self, SEED_ATTR, 0)
 
     def is_trimmable(self) -> bool:  # a wrapped ring cannot lose its last tokens
         return False
@@ -64,10 +74,18 @@ def is_rotating_quantizable(layer: Any, group_size: int) -> bool:
     )
 
 
-def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int) -> QuantizedRotatingKVCache:
+def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int,
+                      codec: str = "affine") -> QuantizedRotatingKVCache:
+    """``codec`` other than ``affine`` stores the slots ``rotated`` (power-of-two widths;
+    otherwise ``affine``, recorded as such)."""
     q = QuantizedRotatingKVCache()
-    q.keys = tuple(mx.quantize(layer.keys, group_size=group_size, bits=bits))
-    q.values = tuple(mx.quantize(layer.values, group_size=group_size, bits=bits))
+    keys, values = layer.keys, layer.values
+    if codec != "affine" and all(rotation.rotatable(a.shape[-1]) for a in (keys, values)):
+        keys, values = rotation.rotate(keys), rotation.rotate(values)
+        setattr(q, CODEC_ATTR, "rotated")
+        setattr(q, SEED_ATTR, rotation.CODEC_SEED)
+    q.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
+    q.values = tuple(mx.quantize(values, group_size=group_size, bits=bits))
     q.offset, q.max_size, q.keep, q._idx = layer.offset, layer.max_size, layer.keep, layer._idx
     q.bits, q.group_size = bits, group_size
     q.dtype_name = str(layer.keys.dtype).rsplit(".", 1)[-1]
@@ -84,14 +102,32 @@ def _resolve(spec: str) -> type:
     return cls if isinstance(cls, type) and issubclass(cls, RotatingKVCache) else RotatingKVCache
 
 
+def rotating_codec(q: QuantizedRotatingKVCache) -> str:
+    """The stored layer's codec; :class:`UnknownCodec` for one this version cannot read (a
+    record from a newer kvplugin, or a damaged one): a miss, never misread."""
+    codec, seed = getattr(q, CODEC_ATTR, "affine"), getattr(q, SEED_ATTR, 0)
+    if codec not in ("affine", "rotated"):
+        raise UnknownCodec(f"stored rotating layer has unknown codec {codec!r}")
+    if codec == "rotated" and (type(seed) is not int
+                               or not all(rotation.rotatable(p.shape[-1] * 32 // q.bits)
+                                          for p in (q.keys[0], q.values[0]))):
+        raise UnknownCodec("rotated window layer without an integer seed or power-of-two width")
+    return codec
+
+
 def dequantize_rotating(q: QuantizedRotatingKVCache) -> RotatingKVCache:
     """The same rotating layer back, full precision, evaluated."""
+    codec = rotating_codec(q)
     cls = _resolve(q.cls)
     layer = cls.__new__(cls)
     RotatingKVCache.__init__(layer, q.max_size, q.keep)
     dtype = getattr(mx, q.dtype_name, mx.float16)
-    keys = mx.dequantize(*q.keys, group_size=q.group_size, bits=q.bits).astype(dtype)
-    values = mx.dequantize(*q.values, group_size=q.group_size, bits=q.bits).astype(dtype)
+    keys = mx.dequantize(*q.keys, group_size=q.group_size, bits=q.bits)
+    values = mx.dequantize(*q.values, group_size=q.group_size, bits=q.bits)
+    if codec == "rotated":
+        seed = getattr(q, SEED_ATTR)
+        keys, values = rotation.unrotate(keys, seed), rotation.unrotate(values, seed)
+    keys, values = keys.astype(dtype), values.astype(dtype)
     mx.eval(keys, values)
     layer.keys, layer.values = keys, values
     layer.offset, layer._idx = q.offset, q._idx
