@@ -88,9 +88,9 @@ def test_entries_stored_quantized(request, bits, seed):
     assert any(e["bits"][0] == bits for e in entries)
     assert any(e["bits"][0] is None for e in entries)  # the short one stayed full precision
     stats = srv.get("/kvplugin/stats")
-    # the default codec (auto): rotated-channel; at 4 bits with 4 sink and 16 recent tokens
-    # at full precision, at 8 without (issue 15, docs/benchmarks.md)
-    codec, sink, recent = "rotated-channel", *((0, 0) if bits == 8 else (4, 16))
+    # the default codec (auto): affine at 8 bits, at 4 rotated-channel with 4 sink and 16
+    # recent tokens at full precision (issue 15, docs/benchmarks.md)
+    codec, sink, recent = ("affine", 0, 0) if bits == 8 else ("rotated-channel", 4, 16)
     assert stats["quantization"] == {"bits": bits, "group_size": 64, "min_tokens": MIN_TOKENS,
         "codec": codec, "codec_setting": "auto", "key_bits": bits, "value_bits": bits,
         "sink_tokens": sink, "recent_tokens": recent}

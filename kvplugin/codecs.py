@@ -4,14 +4,14 @@ Why a module of its own: the settings (no MLX imported), the default quantize ho
 remote tier's namespace and ``/kvplugin/stats`` all need the same resolved answer to "what
 does ``--kv-cache-codec auto`` with these bits mean", so it is decided once, here.
 
-``auto`` (the default) is what ``kvplugin bench --quality --real-model`` measured best
-(docs/benchmarks.md, SmolLM2-135M, 10 real-text windows x 200 tokens): keys rotated and
-quantized per channel (``rotated-channel``) at every width. At 8 bits plain ``affine`` is
-close (mean KL 2.2e-5) but flips 0.15% of greedy tokens, which ended a quarter of the
-200-token greedy continuations early; ``rotated-channel`` flipped none (7.9e-6) at the same
-bytes, for about twice the restore time on a CPU. Below 6 bits the first 4 tokens (attention
-sinks) and the last 16 are kept at full precision besides; at 6 bits and more they are not
-needed (the 8-bit figures are without them).
+``auto`` (the default) is what ``kvplugin bench --quality --real-model`` and a real server's
+chat measured best (docs/benchmarks.md, SmolLM2-135M): below 6 key bits, keys rotated and
+quantized per channel (``rotated-channel``) with the first 4 tokens (attention sinks) and the
+last 16 kept at full precision lose several times less than ``affine`` at the same size. From
+6 bits on plain ``affine``: in one round trip ``rotated-channel`` 8-bit measured closer still
+(mean KL 7.9e-6 vs 2.2e-5), but a real server's multi-turn chat, where an entry is restored
+and quantized again at every turn, kept every answer with ``affine`` and changed the third
+with ``rotated-channel``, and ``affine`` restores in half the time.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ CHOICES = ("auto",) + CODECS
 #: the SSD and remote formats carry); a layer without the codec attribute is ``affine``.
 CODEC_ATTR = "kvplugin_codec"
 SEED_ATTR = "kvplugin_codec_seed"
-#: what ``auto`` resolves to
-AUTO_CODEC = "rotated-channel"
+#: ``auto`` is ``affine`` from this many key bits on, ``rotated-channel`` below
+AUTO_AFFINE_FROM_BITS = 6
 #: Sink and recent tokens kept at full precision when not given, for the rotated codecs
 #: below :data:`PROTECT_BELOW_BITS` (of the narrower of keys and values): they need the
 #: sinks (whose huge keys otherwise set the range of a whole group). ``affine``: none.
@@ -65,7 +65,9 @@ def codec_plan(settings: Any) -> CodecPlan:
     bits = settings.kv_cache_quantization_bits
     key_bits = settings.kv_cache_key_bits or bits
     value_bits = settings.kv_cache_value_bits or bits
-    codec = AUTO_CODEC if settings.kv_cache_codec == "auto" else settings.kv_cache_codec
+    codec = settings.kv_cache_codec
+    if codec == "auto":
+        codec = "affine" if key_bits >= AUTO_AFFINE_FROM_BITS else "rotated-channel"
     protect = codec != "affine" and min(key_bits, value_bits) < PROTECT_BELOW_BITS
     sink, recent = PROTECTED_DEFAULT if protect else (0, 0)
     if settings.kv_cache_sink_tokens is not None:

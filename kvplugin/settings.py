@@ -122,8 +122,8 @@ class KVPluginSettings(BaseSettings):
         "auto",
         description="Codec of quantized entries: affine (mlx per-token groups), rotated (a "
         "seeded Hadamard along head_dim first), rotated-channel (rotated, keys quantized "
-        "per channel in groups of group-size tokens), or auto: rotated-channel, the best "
-        "measured at every width (docs/benchmarks.md).",
+        "per channel in groups of group-size tokens), or auto: affine from 6 key bits on, "
+        "rotated-channel below (the best measured, docs/benchmarks.md).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},
     )
     kv_cache_key_bits: int | None = Field(

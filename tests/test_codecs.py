@@ -280,12 +280,14 @@ def test_only_plain_affine_layers_are_handed_to_a_quantized_host_as_they_are():
 
 
 @pytest.mark.parametrize("flags,want", [
-    ({}, "rotated-channel-k8v8"),  # the default: 8 bits need no protected tokens
+    ({}, "affine-k8v8"),  # the default: 8-bit entries are already near lossless
     ({"kv_cache_quantization_bits": 4}, "rotated-channel-k4v4-s4r16"),
     ({"kv_cache_quantization_bits": 3, "kv_cache_recent_tokens": 0}, "rotated-channel-k3v3-s4r0"),
-    ({"kv_cache_key_bits": 8, "kv_cache_value_bits": 4}, "rotated-channel-k8v4-s4r16"),
+    ({"kv_cache_key_bits": 8, "kv_cache_value_bits": 4}, "affine-k8v4"),
+    ({"kv_cache_key_bits": 8, "kv_cache_value_bits": 4, "kv_cache_codec": "rotated-channel"},
+     "rotated-channel-k8v4-s4r16"),  # protected: the values are below 6 bits
     ({"kv_cache_quantization_bits": 4, "kv_cache_codec": "affine"}, "affine-k4v4"),
-    ({"kv_cache_codec": "affine"}, "affine-k8v8"),
+    ({"kv_cache_codec": "rotated-channel"}, "rotated-channel-k8v8"),  # no protected tokens
     ({"kv_cache_codec": "rotated", "kv_cache_recent_tokens": 8}, "rotated-k8v8-s0r8"),
     ({"kv_cache_codec": "rotated", "kv_cache_quantization_bits": 4, "kv_cache_sink_tokens": 0},
      "rotated-k4v4-s0r16"),
