@@ -120,15 +120,16 @@ def test_bounded_chunked_conversation_says_why_its_next_turn_misses(start_server
 
 def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
         start_server, tmp_path):
-    """Gemma 3's sliding-window layers are stored quantized (QuantizedRotatingKVCache); the SSD
-    tier used to refuse them. Now an evicted system-prompt entry spills, and a new server on
-    the same directory serves the next conversation's system prompt from the file."""
+    """Gemma 3's sliding-window layers are stored quantized (QuantizedRotatingKVCache; at 4
+    bits with the default codec: rotated, per token); the SSD tier used to refuse them. Now an
+    evicted system-prompt entry spills, and a new server on the same directory serves the next
+    conversation's system prompt from the file."""
     from kvplugin.tools.bench.families import SYSTEM
 
     model = build_family_model("gemma3_text", tmp_path / "model")
     ssd = tmp_path / "ssd"
-    flags = ("--kv-cache-quantization", "--kv-cache-min-quantize-tokens", "0",
-             "--ssd-cache-dir", str(ssd), "--prompt-cache-bytes", "200000")
+    flags = ("--kv-cache-quantization-bits", "4", "--kv-cache-min-quantize-tokens", "0",
+             "--ssd-cache-dir", str(ssd), "--prompt-cache-bytes", "100000")
 
     def ask(srv, question):
         return srv.chat([{"role": "system", "content": SYSTEM},
@@ -142,6 +143,8 @@ def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
         assert stats["cold_tier"]["refused"] == 0, stats["cold_tier"]
         kinds = {k for e in stats["entries"] for k in e["layers"]}
         assert "QuantizedRotatingKVCache" in kinds, kinds
+        # windows rotated per token, global layers per channel with protected tokens
+        assert "rotated-channel-k4v4-s4r16+rotated-k4v4" in stats["bytes_stored_by_codec"], stats
     finally:
         first.stop()
     second = start_server(harness.mlx_lm_server_cmd, *flags, model_dir=model)

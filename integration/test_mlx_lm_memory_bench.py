@@ -16,16 +16,20 @@ pytestmark = pytest.mark.tooling
 
 
 def test_memory_bench_measures_stock_and_kvplugin(tiny_model, tmp_path):
-    rc = memory.main(["--model", str(tiny_model), "--configs", "stock,fp16",
+    rc = memory.main(["--model", str(tiny_model), "--configs", "stock,fp16,4bit",
                       "--prompt-tokens", "300", "--turns", "3", "--max-tokens", "4",
                       "--out", str(tmp_path)])
     assert rc == 0
     (out,) = tmp_path.glob("server_memory_*.json")
     data = json.loads(out.read_text())
-    assert set(data) == {"stock", "fp16"}
+    assert set(data) == {"stock", "fp16", "4bit"}
+    # each row names what produced it: the quantized one its resolved codec
+    assert [data[k]["summary"]["server"] for k in data] == [
+        "stock", "kvplugin fp16", "kvplugin 4-bit (rotated-channel-k4v4-s4r16)"]
     for key, run in data.items():
         s = run["summary"]
         assert s["entry_mib"] > 0 and s["held_after_mib"] >= 0, (key, s)
         assert s["hwm_growth_x"] is not None and s["max_reuse_transient_x"] is not None
         assert len(run["turns"]) == 3 and all(t["ttft_s"] > 0 for t in run["turns"])
-    assert data["fp16"]["summary"]["tokens_reused"] >= data["stock"]["summary"]["tokens_reused"] > 0
+    for key in ("fp16", "4bit"):
+        assert data[key]["summary"]["tokens_reused"] >= data["stock"]["summary"]["tokens_reused"] > 0

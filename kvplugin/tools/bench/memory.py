@@ -120,6 +120,22 @@ def host_tokens_saved(server: Any) -> int | None:
     return int(saved) if isinstance(saved, (int, float)) else None
 
 
+def stored_codec(server: Any) -> str | None:
+    """The codec a kvplugin server stores its quantized entries with, as ``/kvplugin/stats``
+    says (e.g. ``rotated-channel-k4v4-s4r16``); None when it quantizes nothing."""
+    from kvplugin.codecs import CodecPlan
+    from kvplugin.tools.hostproc import ServerHTTPError
+
+    try:
+        q = server.get("/kvplugin/stats").get("quantization")
+    except (OSError, ValueError, AttributeError, ServerHTTPError):
+        return None
+    if not isinstance(q, dict):
+        return None
+    return CodecPlan(q["codec"], q["key_bits"], q["value_bits"], q["group_size"],
+                     q["sink_tokens"], q["recent_tokens"]).name
+
+
 def kv_bytes_per_token(model_dir: Path) -> int:
     """K+V bytes one token adds to a plain attention cache, from ``config.json``."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -186,6 +202,9 @@ def run_one(
         # Warm-up: a short unrelated request, so lazily loaded weights and the first graph are
         # in memory before the baseline is taken (then growth is the conversation's alone).
         _turn(server, [{"role": "user", "content": "Hello."}], 2, seed)
+        codec = None if config.stock else stored_codec(server)
+        if codec:  # the row says what produced it: --kv-cache-codec auto resolves by bits
+            result.label = f"{config.label} ({codec})"
         saved_before = host_tokens_saved(server)
         time.sleep(0.1)
         messages = [{"role": "system", "content": system_prompt}]
