@@ -120,6 +120,24 @@ def host_tokens_saved(server: Any) -> int | None:
     return int(saved) if isinstance(saved, (int, float)) else None
 
 
+def wait_stored(server: Any, tokens: int, timeout: float = 30.0) -> None:
+    """Wait until a kvplugin server holds an entry of at least ``tokens`` tokens (the last
+    turn's prompt): a host stores a turn's entry after the answer's last token, and quantizing
+    it takes a few hundred ms on a CPU, so a sample taken at once counts the live cache as
+    held. Returns at once where ``/kvplugin/stats`` is not served (stock)."""
+    from kvplugin.tools.hostproc import ServerHTTPError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            entries = server.get("/kvplugin/stats").get("entries")
+        except (OSError, ValueError, AttributeError, ServerHTTPError):
+            return
+        if not isinstance(entries, list) or any(e.get("tokens", 0) >= tokens for e in entries):
+            return
+        time.sleep(0.05)
+
+
 def stored_codec(server: Any) -> str | None:
     """The codec a kvplugin server stores its quantized entries with, as ``/kvplugin/stats``
     says (e.g. ``rotated-channel-k4v4-s4r16``); None when it quantizes nothing."""
@@ -213,6 +231,8 @@ def run_one(
             turn = _turn(server, messages, max_tokens, seed)
             result.turns.append(turn)
             messages.append({"role": "assistant", "content": turn.text})
+        if not config.stock and result.turns:  # "held after": after the last entry is stored
+            wait_stored(server, result.turns[-1].prompt_tokens)
         saved_after = host_tokens_saved(server)
         if saved_before is not None and saved_after is not None:
             result.host_tokens_saved = saved_after - saved_before
