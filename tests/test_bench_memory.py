@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplugin.tools.bench.memory import RunResult, TurnResult, host_tokens_saved
+import pytest
+
+from kvplugin.tools.bench.memory import RunResult, TurnResult, configs_to_run, host_tokens_saved
 
 
 def turn(cached: int | None) -> TurnResult:
@@ -40,3 +42,10 @@ def test_host_tokens_saved_reads_v1_status():
     assert host_tokens_saved(FakeServer(200, {"cache": {"tokens_saved": 5481}})) == 5481
     assert host_tokens_saved(FakeServer(200, {"cache": None})) is None
     assert host_tokens_saved(FakeServer(404, "not found")) is None
+
+
+def test_stock_always_runs_first_so_every_row_has_its_baseline():
+    assert configs_to_run("4bit,8bit") == ["stock", "4bit", "8bit"]
+    assert configs_to_run("fp16,stock,fp16") == ["stock", "fp16"]
+    with pytest.raises(ValueError, match="unknown --configs 2bit"):
+        configs_to_run("stock,2bit")

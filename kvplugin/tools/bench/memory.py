@@ -316,6 +316,16 @@ def resolve_model(name: str) -> Path:
     return Path(name).expanduser().resolve()
 
 
+def configs_to_run(text: str) -> list[str]:
+    """``--configs`` as the servers to run, stock first even when not named: every kvplugin
+    figure is read beside stock's from the same run. ``ValueError`` names an unknown one."""
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown --configs {', '.join(unknown)}; from {', '.join(CONFIGS)}")
+    return ["stock"] + [k for k in dict.fromkeys(keys) if k != "stock"]
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import os
@@ -327,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", action="append", default=None,
                    help="kv-heavy (default), smollm2, or a model directory; repeatable")
     p.add_argument("--configs", default="stock,fp16,8bit,4bit",
-                   help=f"comma-separated, from {', '.join(CONFIGS)}")
+                   help=f"comma-separated, from {', '.join(CONFIGS)} (stock always runs)")
     p.add_argument("--prompt-tokens", type=int, default=5456)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=24)
@@ -340,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="send a seed with every request: mlx-lm's sequential path")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args(argv)
+    try:
+        configs = configs_to_run(args.configs)
+    except ValueError as err:
+        p.error(str(err))
     args.out.mkdir(parents=True, exist_ok=True)
     env = {}
     blas = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
@@ -354,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         system = TextMaker(model_dir).text(args.prompt_tokens, seed="memory-bench")
         results = []
         with tempfile.TemporaryDirectory(prefix="kvplugin-membench-") as tmp:
-            for key in args.configs.split(","):
+            for key in configs:
                 print(f"[{model_name}] {CONFIGS[key].label} ...", file=sys.stderr, flush=True)
                 results.append(run_one(
                     model_dir, CONFIGS[key], key, system, turns=args.turns,
