@@ -128,9 +128,10 @@ SSDTier(sys.argv[1], 1 << 40).put("killed-writer", list(range(n)), [layer])
 """
 
 
-def kill_mid_spill(ssd_dir: Path, timeout: float = 120.0) -> Path:
+def kill_mid_spill(ssd_dir: Path, timeout: float = 120.0, *, min_bytes: int = 1) -> Path:
     """``kill -9`` a real writer (the tier's own ``put``, in its own process) while its
-    256 MiB entry is being written; returns the ``.tmp-*`` file it leaves behind."""
+    256 MiB entry is being written, once its temp file holds at least ``min_bytes``; returns
+    the ``.tmp-*`` file it leaves behind."""
     import os
     import signal
     import sys
@@ -142,7 +143,7 @@ def kill_mid_spill(ssd_dir: Path, timeout: float = 120.0) -> Path:
         assert proc.stdout.readline().strip() == "ready", "the writer did not start"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            temps = [p for p in Path(ssd_dir).glob("*/.tmp-*") if p.stat().st_size > 0]
+            temps = [p for p in Path(ssd_dir).glob("*/.tmp-*") if p.stat().st_size >= min_bytes]
             if temps:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
