@@ -120,19 +120,25 @@ def host_tokens_saved(server: Any) -> int | None:
     return int(saved) if isinstance(saved, (int, float)) else None
 
 
+def _kvplugin_stats(server: Any) -> dict[str, Any] | None:
+    """``GET /kvplugin/stats`` as a dict, or None where it is not served (stock)."""
+    from kvplugin.tools.hostproc import ServerHTTPError
+
+    try:
+        stats = server.get("/kvplugin/stats")
+    except (OSError, ValueError, ServerHTTPError):
+        return None
+    return stats if isinstance(stats, dict) else None
+
+
 def wait_stored(server: Any, tokens: int, timeout: float = 30.0) -> None:
     """Wait until a kvplugin server holds an entry of at least ``tokens`` tokens (the last
     turn's prompt): a host stores a turn's entry after the answer's last token, and quantizing
     it takes a few hundred ms on a CPU, so a sample taken at once counts the live cache as
     held. Returns at once where ``/kvplugin/stats`` is not served (stock)."""
-    from kvplugin.tools.hostproc import ServerHTTPError
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            entries = server.get("/kvplugin/stats").get("entries")
-        except (OSError, ValueError, AttributeError, ServerHTTPError):
-            return
+        entries = (_kvplugin_stats(server) or {}).get("entries")
         if not isinstance(entries, list) or any(e.get("tokens", 0) >= tokens for e in entries):
             return
         time.sleep(0.05)
@@ -142,12 +148,8 @@ def stored_codec(server: Any) -> str | None:
     """The codec a kvplugin server stores its quantized entries with, as ``/kvplugin/stats``
     says (e.g. ``rotated-channel-k4v4-s4r16``); None when it quantizes nothing."""
     from kvplugin.codecs import CodecPlan
-    from kvplugin.tools.hostproc import ServerHTTPError
 
-    try:
-        q = server.get("/kvplugin/stats").get("quantization")
-    except (OSError, ValueError, AttributeError, ServerHTTPError):
-        return None
+    q = (_kvplugin_stats(server) or {}).get("quantization")
     if not isinstance(q, dict):
         return None
     return CodecPlan(q["codec"], q["key_bits"], q["value_bits"], q["group_size"],
