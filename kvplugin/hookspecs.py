@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 PROJECT = "kvplugin"
 #: Version 2 added ``kvplugin_unconfigure``; version 3 ``kvplugin_cache_event``; version 4
-#: ``kvplugin_admit``.
-HOOK_API_VERSION = 4
+#: ``kvplugin_admit``; version 5 the ``prompt_boundaries`` argument of
+#: ``kvplugin_quantize_entry``.
+HOOK_API_VERSION = 5
 #: The attribute a plugin sets to the contract version it needs.
 API_VERSION_ATTR = "kvplugin_hook_api_version"
 
@@ -87,13 +88,18 @@ def kvplugin_trim_entry(cache: list) -> list | None:
 
 @hookspec(firstresult=True)
 def kvplugin_quantize_entry(
-    cache: list, num_tokens: int, settings: KVPluginSettings
+    cache: list, num_tokens: int, settings: KVPluginSettings,
+    prompt_boundaries: tuple[int, ...],
 ) -> list | None:
     """Quantize an entry of ``num_tokens`` tokens before it is stored.
 
     Called only when ``settings.kv_cache_quantization`` is on. Return the entry to store
     (quantized layers should be mlx-lm ``QuantizedKVCache``), or ``None`` to decline and
     store it as it is (the built-in declines below ``kv_cache_min_quantize_tokens``).
+    ``prompt_boundaries`` (ascending, each below ``num_tokens``): where earlier prompts that
+    this entry starts with ended, i.e. where a later request (a repeated or edited turn) is
+    likely to reuse a prefix of it; the built-in keeps the tokens before each at full
+    precision like the entry's last ones (API version 5).
     """
 
 

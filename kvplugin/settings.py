@@ -144,8 +144,9 @@ class KVPluginSettings(BaseSettings):
     )
     kv_cache_recent_tokens: int | None = Field(
         None,
-        description="The last tokens of a quantized entry kept at full precision besides. "
-        "Default: 16 with the rotated codecs below 6 bits, else 0.",
+        description="The last tokens of a quantized entry, and as many before each earlier "
+        "prompt's end inside it (where a repeated or edited turn reuses it), kept at full "
+        "precision besides. Default: 16 with the rotated codecs below 6 bits, else 0.",
         json_schema_extra={"allowed": "an integer >= 0"},
     )
     kv_cache_min_quantize_tokens: int = Field(

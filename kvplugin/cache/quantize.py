@@ -60,6 +60,13 @@ VALUE_BITS_ATTR = "kvplugin_value_bits"
 SINK_ATTR = "kvplugin_sink_tokens"
 RECENT_ATTR = "kvplugin_recent_tokens"
 RECENT_START_ATTR = "kvplugin_recent_start"
+# Rows before earlier prompt boundaries, kept at full precision too, between the sinks and the
+# recent rows: "start:count,start:count" (ascending, disjoint). Why: a repeated or edited turn
+# reuses a *prefix* of a later entry, and then these are its last tokens, the ones the next
+# token attends to most (docs/benchmarks.md, "Prompt boundaries"). The 4th array holds every
+# protected row in position order, so cutting it to its first m rows (a trim, a prefix copy)
+# keeps exactly the protected rows below m.
+BOUNDARY_ATTR = "kvplugin_boundary_rows"
 
 
 @dataclass
@@ -183,8 +190,23 @@ def validate_group_size_for_model(model: Any, group_size: int) -> list[str]:
     )
 
 
-def _protected(x: mx.array, sink: int, start: int) -> mx.array:
-    return mx.concatenate([x[..., :sink, :], x[..., start:, :]], axis=-2)
+def _boundary_ranges(boundaries: Any, width: int, low: int, high: int) -> list[tuple[int, int]]:
+    """``(start, count)`` of the ``width`` tokens before each boundary, cut to ``[low, high)``
+    (between the sinks and the recent rows), merged where they touch."""
+    ranges: list[list[int]] = []
+    for b in sorted(set(boundaries)) if width > 0 else ():
+        a, e = max(low, b - width), min(high, b)
+        if e <= a:
+            continue
+        if ranges and a <= ranges[-1][1]:
+            ranges[-1][1] = max(ranges[-1][1], e)
+        else:
+            ranges.append([a, e])
+    return [(a, e - a) for a, e in ranges]
+
+
+def _protected(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
+    return mx.concatenate([x[..., a : a + c, :] for a, c in ranges], axis=-2)
 
 
 def _quantize_layer(
@@ -195,13 +217,15 @@ def _quantize_layer(
     value_bits: int | None = None,
     sink: int = 0,
     recent: int = 0,
+    boundaries: Any = (),
 ) -> QuantizedKVCache:
     """``bits`` are the keys' (``layer.bits``); values use ``value_bits`` (recorded when they
     differ). ``rotated`` needs power-of-two widths (``rotated-channel`` also 32 or more); a
     layer without them is stored ``affine`` (recorded as such, so it is read back right).
     ``rotated-channel`` keys are quantized per channel in groups of ``group_size`` tokens
-    (:mod:`kvplugin.cache.channel`). ``sink``/``recent`` tokens are kept at full precision
-    besides (their quantized rows stay too: exact-size arrays, simple trims)."""
+    (:mod:`kvplugin.cache.channel`). ``sink``/``recent`` tokens, and ``recent`` tokens before
+    each of ``boundaries``, are kept at full precision besides (their quantized rows stay
+    too: exact-size arrays, simple trims)."""
     from kvplugin.cache import channel, rotation
 
     n = layer.offset
@@ -223,13 +247,16 @@ def _quantize_layer(
     q.values = tuple(mx.quantize(values, group_size=group_size, bits=vbits))
     sink = min(sink, n)
     start = max(sink, n - recent)
-    if sink or start < n:
-        k0, v0 = layer.keys[..., :n, :], layer.values[..., :n, :]
-        q.keys += (_protected(k0, sink, start),)
-        q.values += (_protected(v0, sink, start),)
+    between = _boundary_ranges(boundaries, recent, sink, start)
+    if sink or start < n or between:
+        ranges = [(0, sink), *between, (start, n - start)]
+        q.keys += (_protected(layer.keys[..., :n, :], ranges),)
+        q.values += (_protected(layer.values[..., :n, :], ranges),)
         setattr(q, SINK_ATTR, sink)
         setattr(q, RECENT_START_ATTR, start)
         setattr(q, RECENT_ATTR, n - start)
+        if between:
+            setattr(q, BOUNDARY_ATTR, ",".join(f"{a}:{c}" for a, c in between))
     q.offset = n
     setattr(q, DTYPE_ATTR, _dtype_name(keys.dtype))
     setattr(q, CODEC_ATTR, codec)
@@ -250,6 +277,7 @@ def quantize_entry(
     value_bits: int | None = None,
     sink_tokens: int = 0,
     recent_tokens: int = 0,
+    prompt_boundaries: Any = (),
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
@@ -261,6 +289,8 @@ def quantize_entry(
     is not divisible by ``group_size``, and unknown kinds. Each new layer is evaluated as soon as
     it is made; with ``consume`` it also replaces the original in ``cache`` right away, so the
     full-precision entry is freed layer by layer (transient: one layer, not one entry).
+    ``prompt_boundaries``: token counts where earlier prompts ended; the ``recent_tokens``
+    before each are kept at full precision too (plain layers; a window holds no history).
     """
     validate_bits_group(bits, group_size)
     if value_bits is not None:
@@ -275,16 +305,16 @@ def quantize_entry(
         if type(layer) is CacheList:  # nested (Falcon-H1: state + attention): its K/V children
             inner = quantize_entry(list(layer.caches), bits=bits, group_size=group_size,
                                    codec=codec, value_bits=value_bits,
-                                   sink_tokens=sink_tokens, recent_tokens=recent_tokens)
+                                   sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                                   prompt_boundaries=prompt_boundaries)
             skipped += inner.skipped
             if inner.quantized:
                 out[i] = _cache_list(layer, inner.cache)
                 quantized += 1
             continue
         if is_quantizable(layer, group_size):
-            q = _quantize_layer(
-                layer, bits, group_size, codec, value_bits, sink_tokens, recent_tokens
-            )
+            q = _quantize_layer(layer, bits, group_size, codec, value_bits, sink_tokens,
+                                recent_tokens, prompt_boundaries)
         elif is_rotating_quantizable(layer, group_size):
             q = quantize_rotating(layer, bits, group_size, codec)  # key bits: windows are short
         else:
@@ -334,18 +364,38 @@ def _dequantize(parts: Any, n: int, group_size: int, bits: int, dtype: Any) -> m
     return out if out.dtype == dtype else out.astype(dtype)
 
 
+def _protected_ranges(layer: Any) -> list[tuple[int, int]]:
+    """Where a layer's full-precision rows go, in the order it holds them: ``(start, count)``
+    of the sinks, the rows before prompt boundaries, the recent rows. :class:`UnknownCodec`
+    for a record that does not add up."""
+    vals = [getattr(layer, a, None) for a in (SINK_ATTR, RECENT_START_ATTR, RECENT_ATTR)]
+    if not all(_is_int(v) and v >= 0 for v in vals):
+        raise UnknownCodec("protected tokens without a consistent record")
+    sink, start, recent = vals
+    ranges, low = [(0, sink)], sink
+    text = getattr(layer, BOUNDARY_ATTR, "")
+    for item in text.split(",") if isinstance(text, str) and text else ():
+        a, _, c = item.partition(":")
+        if not (a.isdigit() and c.isdigit()) or int(a) < low or int(c) < 1:
+            raise UnknownCodec(f"protected boundary rows {text!r} not ascending and disjoint")
+        ranges.append((int(a), int(c)))
+        low = int(a) + int(c)
+    if not isinstance(text, str) or low > start:
+        raise UnknownCodec(f"protected boundary rows {text!r} past the recent rows")
+    return ranges + [(start, recent)]
+
+
 def _restore_protected(out: mx.array, parts: Any, layer: Any, n: int) -> mx.array:
-    """Write the full-precision sink/recent rows (those still below ``n``) over ``out``."""
+    """Write the full-precision rows (those still below ``n``, and still held: a prefix copy
+    cuts the 4th array too) over ``out``."""
     if len(parts) < 4:
         return out
-    kept, sink = parts[3], getattr(layer, SINK_ATTR)
-    start, recent = getattr(layer, RECENT_START_ATTR), getattr(layer, RECENT_ATTR)
-    s = min(sink, n)
-    if s:
-        out[..., :s, :] = kept[..., :s, :].astype(out.dtype)
-    stop = min(start + recent, n)
-    if stop > start:
-        out[..., start:stop, :] = kept[..., sink : sink + stop - start, :].astype(out.dtype)
+    kept, row = parts[3], 0
+    for start, count in _protected_ranges(layer):
+        stop = min(start + count, n, start + max(0, kept.shape[-2] - row))
+        if stop > start:
+            out[..., start:stop, :] = kept[..., row : row + stop - start, :].astype(out.dtype)
+        row += count
     return out
 
 
@@ -363,12 +413,10 @@ def _codec_of(layer: Any) -> tuple[str, int]:
         raise UnknownCodec(f"{codec} layer without an integer seed")
     parts = len(layer.keys) if isinstance(layer.keys, (tuple, list)) else 3
     if parts == 4:
-        vals = [getattr(layer, a, None) for a in (SINK_ATTR, RECENT_START_ATTR, RECENT_ATTR)]
-        if not all(_is_int(v) and v >= 0 for v in vals) or (
-            layer.keys[3].shape[-2] > vals[0] + vals[2]  # a prefix copy may cut it shorter
-        ):
+        held = sum(count for _, count in _protected_ranges(layer))
+        if any(x[3].shape[-2] > held for x in (layer.keys, layer.values)):  # fewer: cut
             raise UnknownCodec("protected tokens without a consistent record")
-    elif parts != 3:
+    elif parts != 3 or hasattr(layer, BOUNDARY_ATTR):
         raise UnknownCodec(f"stored layer has {parts} key arrays")
     if codec == "rotated-channel" and layer.keys is not None and layer.offset > 0:
         from kvplugin.cache.channel import scale_rows

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 from kvplugin.cache.layers import dense_nbytes, entry_nbytes, entry_tokens, layer_bits
 from kvplugin.cache.prealloc import rewind_decode
 from kvplugin.cache.pressure import AdmissionControl
+from kvplugin.cache.prompts import RecentPrompts
 from kvplugin.cache.release import mlx_memory
 from kvplugin.cache.store import PromptStore
 from kvplugin.cache.tiers import remote_stats
@@ -113,9 +113,7 @@ class KVService:
         self._lock = threading.Lock()
         self._closed = False
         self._owns_configure = _configure_once(hook, settings, host)
-        # (length, hash) of the prompts of recent fetches: a finished cache whose key starts
-        # with one of them holds that prompt plus generated tokens (see _prompt_len).
-        self._recent_prompts: deque[tuple[int, int]] = deque(maxlen=64)
+        self._recent_prompts = RecentPrompts()  # where stored entries' prompts ended
         self._rejected_by_kind: dict[str, int] = {}
         self._checker = ModelChecker()
         self._bytes_by_codec: dict[str, int] = {}
@@ -168,8 +166,10 @@ class KVService:
         return steps
 
     # -- storing ----------------------------------------------------------------------------
-    def prepare_entry(self, cache: list, num_tokens: int) -> list:
-        """Trim and (per settings) quantize an entry before it is stored."""
+    def prepare_entry(self, cache: list, num_tokens: int,
+                      tokens: Sequence[int] | None = None) -> list:
+        """Trim and (per settings) quantize an entry before it is stored; ``tokens`` (what it
+        holds) tell the codec where earlier prompts ended (:mod:`kvplugin.cache.prompts`)."""
         before = entry_nbytes(cache)
         trimmed = self.hook.kvplugin_trim_entry(cache=cache)
         entry = cache if trimmed is None else trimmed
@@ -177,7 +177,8 @@ class KVService:
         quantized = None
         if self.settings.kv_cache_quantization:
             quantized = self.hook.kvplugin_quantize_entry(
-                cache=entry, num_tokens=num_tokens, settings=self.settings
+                cache=entry, num_tokens=num_tokens, settings=self.settings,
+                prompt_boundaries=self._recent_prompts.boundaries(tokens or ()),
             )
         if quantized is not None:
             entry = quantized
@@ -196,7 +197,7 @@ class KVService:
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
         self.store.settle_lent(model_key, tokens, cache)  # so its layers go as they are cut
-        entry = self.prepare_entry(cache, len(tokens))
+        entry = self.prepare_entry(cache, len(tokens), tokens)
         if entry is not cache:
             # The host may keep its list object a while (mlx-lm's loop holds the last
             # response): drop its references now so a replaced full-precision original is
@@ -210,11 +211,11 @@ class KVService:
         a tier that shares entries (the remote one), from this thread (it owns the arrays).
 
         ``prompt_len`` (where the prompt ended in ``tokens``) is learnt from recent fetches
-        when not given (:meth:`_prompt_len`), for every host path alike: without it a
+        when not given (:mod:`kvplugin.cache.prompts`), for every host path alike: without it a
         conversation's previous turn is never superseded and the store holds it once per turn.
         """
         if prompt_len is None:
-            prompt_len = self._prompt_len(tokens)
+            prompt_len = self._recent_prompts.prompt_len(tokens)
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
         if stored:
             self._event("store", len(tokens), entry)
@@ -242,22 +243,6 @@ class KVService:
             return
         nbytes = entry_nbytes(cache) if cache else 0
         caller(event=event, tokens=int(tokens), nbytes=nbytes)
-
-    def _prompt_len(self, tokens: Sequence[int]) -> int | None:
-        """How many of ``tokens`` were a recent request's prompt (the rest was generated).
-
-        Hosts give back a finished cache keyed by prompt + generated tokens without saying
-        where the prompt ended; every request's prompt went through :meth:`fetch` first, so
-        the longest recent prompt that ``tokens`` starts with tells. The store uses it to let
-        the conversation's next turn supersede this entry.
-        """
-        key = tuple(tokens)
-        with self._lock:
-            recent = sorted(set(self._recent_prompts), reverse=True)  # longest first
-        for length, digest in recent:
-            if length < len(key) and hash(key[:length]) == digest:
-                return length
-        return None
 
     def give_back(self, model_key: str, tokens: Sequence[int], cache: list, *,
                   min_tokens: int = 1) -> bool:
@@ -322,8 +307,7 @@ class KVService:
         forward pass frees each layer's old buffer as it grows, so room given here was a
         whole extra entry at the peak for nothing.
         """
-        with self._lock:
-            self._recent_prompts.append((len(tokens), hash(tuple(tokens))))
+        self._recent_prompts.add(tokens)
         check = None if model is None else (lambda entry: self._fits(model, entry))
         from kvplugin.cache.quantize import UnknownCodec
 

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 @hookimpl(trylast=True)
 def kvplugin_quantize_entry(
-    cache: list, num_tokens: int, settings: KVPluginSettings
+    cache: list, num_tokens: int, settings: KVPluginSettings,
+    prompt_boundaries: tuple[int, ...] = (),
 ) -> list | None:
     from kvplugin.cache import quantize
 
@@ -30,6 +31,7 @@ def kvplugin_quantize_entry(
         sink_tokens=plan.sink_tokens,
         recent_tokens=plan.recent_tokens,
         group_size=plan.group_size,
+        prompt_boundaries=prompt_boundaries,
         consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None

@@ -1,0 +1,50 @@
+"""Where a stored entry's prompts ended, learnt from the prompts of recent fetches.
+
+Hosts give back a finished cache keyed by prompt + generated tokens without saying where the
+prompt ended; every request's prompt went through a fetch first, so the recent prompts that
+an entry's tokens start with tell. Two decisions need it: the store lets a conversation's
+next turn supersede an entry whose prompt it knows (:meth:`RecentPrompts.prompt_len`), and
+the codec keeps the tokens before earlier prompts' ends at full precision, since a repeated or
+edited turn reuses exactly such a prefix (:meth:`RecentPrompts.boundaries`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+
+__all__ = ["MAX_PROMPT_BOUNDARIES", "RecentPrompts"]
+
+#: Earlier prompt boundaries an entry keeps full-precision rows before (the latest ones; each
+#: costs ``recent`` tokens at full precision, 16 rows by default below 6 bits)
+MAX_PROMPT_BOUNDARIES = 8
+
+
+class RecentPrompts:
+    """``(length, hash)`` of the last ``size`` fetched prompts. Thread-safe."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._seen: deque[tuple[int, int]] = deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def add(self, tokens: Sequence[int]) -> None:
+        with self._lock:
+            self._seen.append((len(tokens), hash(tuple(tokens))))
+
+    def ends_in(self, tokens: Sequence[int]) -> list[int]:
+        """Ascending lengths of the recent prompts that ``tokens`` start with and go past."""
+        key = tuple(tokens)
+        with self._lock:
+            seen = set(self._seen)
+        return sorted(length for length, digest in seen
+                      if 0 < length < len(key) and hash(key[:length]) == digest)
+
+    def prompt_len(self, tokens: Sequence[int]) -> int | None:
+        """How many of ``tokens`` were a recent request's prompt (the rest was generated)."""
+        ends = self.ends_in(tokens)
+        return ends[-1] if ends else None
+
+    def boundaries(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """The latest :data:`MAX_PROMPT_BOUNDARIES` prompt ends inside ``tokens``."""
+        return tuple(self.ends_in(tokens)[-MAX_PROMPT_BOUNDARIES:])
