@@ -211,11 +211,14 @@ def quantized_size_bound(entry: Mapping[str, Any], quantization: Mapping[str, An
     """The most bytes a stored entry (a ``/kvplugin/stats`` ``entries`` item) may take under
     the server's resolved ``quantization`` (its stats): keys and values at their bits plus
     2 bytes of scale and of minimum per group (per-channel keys: one row per started group
-    of tokens), plus the protected sink and recent tokens at full precision."""
+    of tokens), plus the tokens the entry says it keeps at full precision, which must be no
+    more than the sinks and the recent tokens, once more before each of at most 8 earlier
+    prompts' ends (prompt boundaries)."""
     n, dense = entry["tokens"], entry["dense_nbytes"]
     group, half = quantization["group_size"], dense / 2
     rows = -(-n // group) * group / n if quantization["codec"] == "rotated-channel" else 1
     keys = half * (quantization["key_bits"] / 16 + 2 / group * rows)
     values = half * (quantization["value_bits"] / 16 + 2 / group)
-    protected = min(n, quantization["sink_tokens"] + quantization["recent_tokens"]) * dense / n
-    return keys + values + protected + 64
+    kept = entry["full_precision_tokens"]
+    assert kept <= min(n, quantization["sink_tokens"] + 9 * quantization["recent_tokens"]), entry
+    return keys + values + kept * dense / n + 64

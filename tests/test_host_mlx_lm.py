@@ -274,7 +274,11 @@ def test_quantized_entry_is_described_with_bits():
     e = describe_entry("m", list(range(64)), q, sum(c.nbytes for c in q))
     assert e["bits"] == [8, 8] and e["layers"] == ["QuantizedKVCache"] * 2
     assert e["dense_nbytes"] == 64 * TOKEN_BYTES
-    assert e["nbytes"] <= 0.532 * e["dense_nbytes"]
+    assert e["nbytes"] <= 0.532 * e["dense_nbytes"] and e["full_precision_tokens"] == 0
+    q = quantize_entry(_entry(64), bits=4, group_size=64, codec="rotated-channel",
+                       sink_tokens=4, recent_tokens=8, prompt_boundaries=(30,)).cache
+    e = describe_entry("m", list(range(64)), q, sum(c.nbytes for c in q))
+    assert e["full_precision_tokens"] == 4 + 8 + 8
 
 
 def test_prompt_cache_survives_store_errors(service, monkeypatch):

@@ -132,3 +132,20 @@ def test_service_learns_boundaries_from_its_fetches_and_hands_them_to_the_hook()
     cache, n = s.fetch("m", first + [5])  # the first question again: a prefix of the entry
     assert n == 100 and _exact(cache[0], src, 84, 100)
     assert entry_nbytes(entry.cache) < 0.35 * entry_nbytes([src])
+
+
+def test_recent_prompts_find_the_ends_an_entry_contains():
+    from kvplugin.cache.prompts import MAX_PROMPT_BOUNDARIES, RecentPrompts
+
+    seen = RecentPrompts(size=16)
+    entry = list(range(1000))
+    seen.add([])  # nothing to learn from an empty prompt
+    for end in range(50, 650, 50):  # 12 turns of one conversation
+        seen.add(entry[:end])
+    seen.add(entry[:300] + [7])        # another branch: not a prefix of the entry
+    seen.add([5] + entry[1:400])       # same length and last token, other tokens
+    seen.add(entry)                    # the whole entry: not *inside* it
+    assert seen.prompt_len(entry) == 600
+    assert seen.boundaries(entry) == tuple(range(650 - 50 * MAX_PROMPT_BOUNDARIES, 650, 50))
+    assert seen.boundaries(entry[:120]) == (50, 100)
+    assert seen.prompt_len([9, 9]) is None and seen.boundaries([]) == ()

@@ -563,7 +563,15 @@ def describe_entry(model_key: Any, tokens: Sequence[int], cache: list, nbytes: i
         "layers": [type(layer).__name__ for layer in cache],
         "bits": [layer_bits(layer) for layer in cache],
         "offsets": sorted({int(getattr(layer, "offset", 0) or 0) for layer in cache}),
+        "full_precision_tokens": max(map(_protected_rows, cache), default=0),
     }
+
+
+def _protected_rows(layer: Any) -> int:
+    """Tokens a quantized layer also keeps at full precision (sinks, recent, before prompt
+    boundaries: the 4th array of its keys), for the operator's view of what an entry costs."""
+    keys = getattr(layer, "keys", None)
+    return int(keys[3].shape[-2]) if isinstance(keys, (tuple, list)) and len(keys) == 4 else 0
 
 
 # --------------------------------------------------------------------------- host fallbacks
