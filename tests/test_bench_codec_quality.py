@@ -32,7 +32,10 @@ def test_codec_bench_reports_every_codec(tmp_path, capsys):
     for r in rows.values():
         assert r["prompts"] == 1 and r["mean_kl"] >= 0 and r["max_kl"] >= r["mean_kl"]
         assert 0 <= r["top1_agreement"] <= 1 and 0 <= r["free_running"] <= 1
-        assert r["ms_per_mib"] > 0
+        assert r["ms_per_mib"] > 0 and r["prefix_kl"] >= 0
+    # a codec without recent rows keeps no rows before the prompt boundary either
+    affine = rows["affine-k8v8-g64-s0r0"]
+    assert affine["prefix_kl"] == affine["prefix_kl_unprotected"]
     # the plot needs the optional ``bench`` extra (matplotlib); without it the bench says so
     from kvplugin.tools.bench import plots
 

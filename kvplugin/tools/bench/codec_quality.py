@@ -14,6 +14,10 @@ and compares with the fp16 entry over the fp16 greedy continuation:
 * free-running greedy agreement: the fraction of the continuation generated identically
   before the first divergence;
 * perplexity delta on the real text that follows each window (teacher-forced);
+* prefix-served KL: the entry of the window *and* its real continuation, reused only up to
+  the window's end (what a repeated, regenerated or edited turn does with a later entry),
+  over the same fp16 greedy continuation; with the rows before that prompt boundary kept
+  at full precision as a server keeps them (``prompt_boundaries``) and without;
 * quantize + dequantize time per MiB of fp16 entry (this machine's CPU, wall clock).
 
 Codecs are named ``CODEC-kKvV-gG-sSrR`` (keys K bits, values V bits, group G, S sink and R
@@ -88,11 +92,22 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc) -> None
             out.append(tok)
         return mx.concatenate(out, axis=1)[0]
 
+    longer = make_prompt_cache(model)  # the window and the real text after it, one entry
+    model(mx.concatenate([prompt, truth], axis=1), cache=longer)
+    longer = _cast(trim_entry(longer), mx.float16)
+
+    def cut(entry, m):  # reused up to the window's end, as the store cuts a longer entry
+        entry = restored(entry)
+        for layer in entry:
+            layer.trim(layer.offset - m)
+        return entry
+
     ref_greedy = greedy(restored(fp16))
     feed = mx.concatenate([prompt[:, -1:], ref_greedy[None, :-1]], axis=1)
     feed_truth = mx.concatenate([prompt[:, -1:], truth[:, :-1]], axis=1)
     ref_lp = logprobs(restored(fp16), feed)
     ref_nll = -mx.mean(mx.take_along_axis(logprobs(restored(fp16), feed_truth), truth[..., None], -1))
+    ref_prefix_lp = logprobs(cut(longer, plen - 1), feed)
     mib = entry_nbytes(fp16) / 2**20
     for spec in specs:
         t0 = time.perf_counter()
@@ -106,8 +121,18 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc) -> None
         nll = -mx.mean(mx.take_along_axis(logprobs(restored(back), feed_truth), truth[..., None], -1))
         free = greedy(restored(back))
         diff = [i for i, (a, b) in enumerate(zip(free.tolist(), ref_greedy.tolist())) if a != b]
+        prefix_kl = []
+        for boundaries in ((plen,), ()):
+            q_longer = quantize_entry(copy.deepcopy(longer), **parse_codec(spec),
+                                      prompt_boundaries=boundaries)
+            lp_prefix = logprobs(cut(dequantize_entry(q_longer.cache), plen - 1), feed)
+            prefix_kl.append(float(mx.sum(mx.exp(ref_prefix_lp)
+                                          * (ref_prefix_lp - lp_prefix), axis=-1).mean()))
         a = acc.setdefault(spec, dict(kl=[], agree=[], free=[], dppl=[], maxkl=0.0,
-                                      bytes=0, fp16=0, s_per_mib=[]))
+                                      bytes=0, fp16=0, s_per_mib=[], prefix_kl=[],
+                                      prefix_kl_unprotected=[]))
+        a["prefix_kl"].append(prefix_kl[0])
+        a["prefix_kl_unprotected"].append(prefix_kl[1])
         a["kl"].append(float(kl.mean()))
         a["maxkl"] = max(a["maxkl"], float(kl.max()))
         a["agree"].append(float(agree))
@@ -126,6 +151,8 @@ def _rows(acc: dict) -> list[dict]:
                          mean_kl=sum(a["kl"]) / n, max_kl=a["maxkl"],
                          top1_agreement=sum(a["agree"]) / n, free_running=sum(a["free"]) / n,
                          ppl_delta=sum(a["dppl"]) / n,
+                         prefix_kl=sum(a["prefix_kl"]) / n,
+                         prefix_kl_unprotected=sum(a["prefix_kl_unprotected"]) / n,
                          ms_per_mib=1000 * sum(a["s_per_mib"]) / n, prompts=n))
     return rows
 
@@ -193,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.prompt_tokens} tokens, {args.continuation_tokens}-token continuations "
              "(kvplugin bench --quality --real-model)")
     cols = ["codec", "bytes_vs_fp16", "mean_kl", "max_kl", "top1_agreement", "free_running",
-            "ppl_delta", "ms_per_mib"]
+            "ppl_delta", "prefix_kl", "prefix_kl_unprotected", "ms_per_mib"]
     fmt = dict(bytes_vs_fp16="{:.3f}", mean_kl="{:.2e}", max_kl="{:.3f}", top1_agreement="{:.4f}",
-               free_running="{:.3f}", ppl_delta="{:+.4f}", ms_per_mib="{:.1f}")
+               free_running="{:.3f}", ppl_delta="{:+.4f}", prefix_kl="{:.2e}",
+               prefix_kl_unprotected="{:.2e}", ms_per_mib="{:.1f}")
     table = [[fmt[c].format(r[c]) if c in fmt else r[c] for c in cols] for r in rows]
     print(format_table(cols, table, title=title))
     args.out.mkdir(parents=True, exist_ok=True)
