@@ -39,6 +39,13 @@ def q4(start_server):
                         "--kv-cache-quantization-group-size", "64")
 
 
+@pytest.fixture(scope="module")
+def q3(start_server):
+    return start_server(harness.mlx_lm_server_cmd, "--kv-cache-quantization",
+                        "--kv-cache-quantization-bits", "3",
+                        "--kv-cache-min-quantize-tokens", str(MIN_TOKENS))
+
+
 def _entries(srv):
     return srv.get("/kvplugin/stats")["entries"]
 
@@ -74,7 +81,7 @@ def _check_entries(srv, bits: int):
     return entries
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 3])
 @pytest.mark.parametrize("seed", [None, 3], ids=["batched", "sequential"])
 def test_entries_stored_quantized(request, bits, seed):
     srv = request.getfixturevalue(f"q{bits}")
@@ -89,8 +96,10 @@ def test_entries_stored_quantized(request, bits, seed):
     assert any(e["bits"][0] is None for e in entries)  # the short one stayed full precision
     stats = srv.get("/kvplugin/stats")
     # the default codec (auto): affine at 8 bits, at 4 rotated-channel with 4 sink and 16
-    # recent tokens at full precision (issue 15, docs/benchmarks.md)
-    codec, sink, recent = ("affine", 0, 0) if bits == 8 else ("rotated-channel", 4, 16)
+    # recent tokens at full precision, at 3 the same with scale-only values and keys in
+    # groups of 128 tokens (issue 15, docs/benchmarks.md)
+    codec, sink, recent = {8: ("affine", 0, 0), 4: ("rotated-channel", 4, 16),
+                           3: ("rotated-channel-sym", 4, 16)}[bits]
     assert stats["quantization"] == {"bits": bits, "group_size": 64, "min_tokens": MIN_TOKENS,
         "codec": codec, "codec_setting": "auto", "key_bits": bits, "value_bits": bits,
         "sink_tokens": sink, "recent_tokens": recent}

@@ -19,17 +19,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODECS", "CHOICES", "CODEC_ATTR", "SEED_ATTR", "CodecPlan", "UnknownCodec",
-           "codec_plan"]
+__all__ = ["CODECS", "CHOICES", "CODEC_ATTR", "SEED_ATTR", "KEY_GROUP_ATTR", "SYM_KEY_GROUP",
+           "CodecPlan", "UnknownCodec", "codec_plan"]
 
-CODECS = ("affine", "rotated", "rotated-channel")  # what kvplugin.cache.quantize can read
+CODECS = ("affine", "rotated", "rotated-channel", "rotated-channel-sym")  # what
+# kvplugin.cache.quantize can read
 CHOICES = ("auto",) + CODECS
 #: What a stored layer records its codec and rotation seed under (scalar attributes, which
 #: the SSD and remote formats carry); a layer without the codec attribute is ``affine``.
 CODEC_ATTR = "kvplugin_codec"
 SEED_ATTR = "kvplugin_codec_seed"
-#: ``auto`` is ``affine`` from this many key bits on, ``rotated-channel`` below
+#: ``auto`` is ``affine`` from this many key bits on, ``rotated-channel`` below, and
+#: ``rotated-channel-sym`` at or below :data:`AUTO_SYM_UP_TO_BITS`
 AUTO_AFFINE_FROM_BITS = 6
+AUTO_SYM_UP_TO_BITS = 3
+#: ``rotated-channel-sym`` keys: one scale and minimum per channel per this many tokens
+#: (recorded per layer under KEY_GROUP_ATTR, so a later version may choose another)
+SYM_KEY_GROUP = 128
+KEY_GROUP_ATTR = "kvplugin_key_group"
 #: Sink and recent tokens kept at full precision when not given, for the rotated codecs
 #: below :data:`PROTECT_BELOW_BITS` (of the narrower of keys and values): they need the
 #: sinks (whose huge keys otherwise set the range of a whole group). ``affine``: none.
@@ -67,7 +74,9 @@ def codec_plan(settings: Any) -> CodecPlan:
     value_bits = settings.kv_cache_value_bits or bits
     codec = settings.kv_cache_codec
     if codec == "auto":
-        codec = "affine" if key_bits >= AUTO_AFFINE_FROM_BITS else "rotated-channel"
+        codec = ("affine" if key_bits >= AUTO_AFFINE_FROM_BITS else
+                 "rotated-channel-sym" if max(key_bits, value_bits) <= AUTO_SYM_UP_TO_BITS
+                 else "rotated-channel")
     protect = codec != "affine" and min(key_bits, value_bits) < PROTECT_BELOW_BITS
     sink, recent = PROTECTED_DEFAULT if protect else (0, 0)
     if settings.kv_cache_sink_tokens is not None:

@@ -122,8 +122,10 @@ class KVPluginSettings(BaseSettings):
         "auto",
         description="Codec of quantized entries: affine (mlx per-token groups), rotated (a "
         "seeded Hadamard along head_dim first), rotated-channel (rotated, keys quantized "
-        "per channel in groups of group-size tokens), or auto: affine from 6 key bits on, "
-        "rotated-channel below (the best measured, docs/benchmarks.md).",
+        "per channel in groups of group-size tokens), rotated-channel-sym (keys per channel "
+        "in groups of 128 tokens, values with a scale and no minimum: smaller), or auto: "
+        "affine from 6 key bits on, rotated-channel below, rotated-channel-sym at 3 bits and "
+        "below (the best measured, docs/benchmarks.md).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},
     )
     kv_cache_key_bits: int | None = Field(

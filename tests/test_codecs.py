@@ -52,7 +52,7 @@ def test_rotation_is_orthogonal_seeded_and_needs_power_of_two():
         rotation.rotation(96)
 
 
-@pytest.mark.parametrize("codec", ["affine", "rotated", "rotated-channel"])
+@pytest.mark.parametrize("codec", ["affine", "rotated", "rotated-channel", "rotated-channel-sym"])
 @pytest.mark.parametrize("kbits,vbits", [(8, 8), (4, 4), (8, 4), (5, 4), (3, 4)])
 def test_round_trip_records_codec_and_restores_dtype(codec, kbits, vbits):
     src = _layer()
@@ -113,7 +113,7 @@ def test_rotated_falls_back_to_affine_for_non_power_of_two_width():
     assert getattr(q, CODEC_ATTR) == "affine" and not hasattr(q, SEED_ATTR)
 
 
-@pytest.mark.parametrize("codec", ["rotated", "rotated-channel"])
+@pytest.mark.parametrize("codec", ["rotated", "rotated-channel", "rotated-channel-sym"])
 def test_codec_metadata_round_trips_through_serialize(codec):
     q = quantize_entry([_layer()], bits=5, value_bits=4, group_size=64, codec=codec,
                        sink_tokens=4, recent_tokens=16).cache
@@ -282,7 +282,11 @@ def test_only_plain_affine_layers_are_handed_to_a_quantized_host_as_they_are():
 @pytest.mark.parametrize("flags,want", [
     ({}, "affine-k8v8"),  # the default: 8-bit entries are already near lossless
     ({"kv_cache_quantization_bits": 4}, "rotated-channel-k4v4-s4r16"),
-    ({"kv_cache_quantization_bits": 3, "kv_cache_recent_tokens": 0}, "rotated-channel-k3v3-s4r0"),
+    ({"kv_cache_quantization_bits": 3, "kv_cache_recent_tokens": 0},
+     "rotated-channel-sym-k3v3-s4r0"),  # at 3 bits: values scale-only, keys in 128s
+    ({"kv_cache_key_bits": 4, "kv_cache_value_bits": 3}, "rotated-channel-k4v3-s4r16"),
+    ({"kv_cache_quantization_bits": 3, "kv_cache_codec": "rotated-channel"},
+     "rotated-channel-k3v3-s4r16"),
     ({"kv_cache_key_bits": 8, "kv_cache_value_bits": 4}, "affine-k8v4"),
     ({"kv_cache_key_bits": 8, "kv_cache_value_bits": 4, "kv_cache_codec": "rotated-channel"},
      "rotated-channel-k8v4-s4r16"),  # protected: the values are below 6 bits
@@ -307,7 +311,7 @@ def test_auto_codec_resolves_from_the_bits_and_reaches_the_stored_layers(flags, 
 def test_channel_packing_round_trips_every_width(bits):
     """Per-channel codes are packed by kvplugin itself; for 2/4/8 bits in mx.quantize's own
     layout (mx.dequantize with unit scales reads them back)."""
-    from kvplugin.cache.channel import _pack, _unpack
+    from kvplugin.cache.channel import pack_codes as _pack, unpack_codes as _unpack
 
     codes = mx.random.randint(0, 1 << bits, (2, 3, 70, 64), key=mx.random.key(bits))
     words = _pack(codes, bits)

@@ -86,6 +86,29 @@ def test_an_entry_published_by_one_tier_is_a_hit_on_another(tier, redis_server):
     assert 0 < redis_server.client().ttl(key) <= 3600  # everything written expires
 
 
+@pytest.mark.parametrize("codec,bits", [("rotated-channel", 4), ("rotated-channel-sym", 3)])
+def test_a_quantized_entry_crosses_redis_with_its_codec_record(tier, codec, bits):
+    """Another replica reads the stored codes and the codec's record back unchanged (the
+    same full-precision rows, per-channel key groups, scale-only values) and restores
+    exactly what the publishing replica would have; a shorter prompt gets a prefix of it."""
+    from kvplugin.cache.quantize import CODEC_ATTR, dequantize_entry, quantize_entry
+
+    a, b = tier(entry_format=codec), tier(entry_format=codec)
+    tokens = list(range(2000, 2300))
+    q = quantize_entry(_entry(300, seed=4), bits=bits, group_size=64, codec=codec,
+                       sink_tokens=4, recent_tokens=16, prompt_boundaries=[200]).cache
+    assert a.publish(MODEL, tokens, q)
+    _published(a)
+    want = dequantize_entry(q)[0]
+    for m in (300, 200):
+        got = b.fetch(MODEL, tokens[:m] + [5])
+        assert got is not None and got[1] == m
+        assert getattr(got[0][0], CODEC_ATTR) == codec
+        back = dequantize_entry(got[0])[0]
+        assert mx.array_equal(back.keys[..., :m, :], want.keys[..., :m, :]).item()
+        assert mx.array_equal(back.values[..., :m, :], want.values[..., :m, :]).item()
+
+
 def test_a_shared_prefix_is_found_in_two_round_trips_and_cut_to_every_common_token(
         tier, redis_server):
     a, b = tier(), tier()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["quantize_channels", "dequantize_channels", "scale_rows"]
+__all__ = ["quantize_channels", "dequantize_channels", "scale_rows", "pack_codes", "unpack_codes"]
 
 
 def scale_rows(tokens: int, group: int) -> int:
@@ -38,7 +38,7 @@ def _shifts(bits: int) -> mx.array:
     return mx.array([bits * i for i in range(32 // bits)], dtype=mx.uint32)
 
 
-def _pack(codes: mx.array, bits: int) -> mx.array:
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
     """``(..., D)`` integer codes below ``2**bits`` -> ``(..., D * bits / 32)`` uint32 words:
     every 32 codes fill ``bits`` words, code ``j`` at bit ``j * bits`` of the stream (for 2, 4
     and 8 bits the same layout as ``mx.quantize``'s; a test holds it to that)."""
@@ -59,8 +59,8 @@ def _pack(codes: mx.array, bits: int) -> mx.array:
     return mx.stack(words, axis=-1).reshape(*lead, width * bits // 32)
 
 
-def _unpack(words: mx.array, bits: int) -> mx.array:
-    """Inverse of :func:`_pack`: ``(..., W)`` uint32 -> ``(..., W * 32 / bits)`` uint32."""
+def unpack_codes(words: mx.array, bits: int) -> mx.array:
+    """Inverse of :func:`pack_codes`: ``(..., W)`` uint32 -> ``(..., W * 32 / bits)`` uint32."""
     *lead, width = words.shape
     mask = mx.array((1 << bits) - 1, dtype=mx.uint32)
     if 32 % bits == 0:
@@ -94,14 +94,14 @@ def quantize_channels(x: mx.array, group: int, bits: int) -> tuple[mx.array, mx.
     step, base = _per_token(scales, group, n), _per_token(mins, group, n)
     codes = mx.round((x.astype(mx.float32) - base) / mx.where(step > 0, step, 1.0))
     codes = mx.clip(codes, 0, levels)
-    return _pack(codes, bits), scales, mins
+    return pack_codes(codes, bits), scales, mins
 
 
 def dequantize_channels(parts, n: int, group: int, bits: int, dtype) -> mx.array:
     """The first ``n`` tokens of ``(codes, scales, minimums)`` back to ``(..., n, D)``."""
     words, scales, mins = parts[0][..., :n, :], parts[1], parts[2]
     rows = scale_rows(n, group)
-    codes = _unpack(words, bits).astype(mx.float32)
+    codes = unpack_codes(words, bits).astype(mx.float32)
     step = _per_token(scales[..., :rows, :], group, n)
     base = _per_token(mins[..., :rows, :], group, n)
     return (codes * step + base).astype(dtype)

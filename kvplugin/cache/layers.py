@@ -122,9 +122,10 @@ def dense_nbytes(layer: Any) -> int:
     total = 0
     scales = keys[1] if len(keys) > 1 else None
     dtype_size = scales.dtype.size if scales is not None else 2
-    for parts in (layer.keys, layer.values):
+    value_bits = getattr(layer, "kvplugin_value_bits", bits)  # K/V-asymmetric widths
+    for parts, width in ((layer.keys, bits), (layer.values, value_bits)):
         *lead, slots, packed_dim = parts[0].shape  # slots held (a trimmed entry: its tokens)
-        count = slots * (packed_dim * 32 // bits)
+        count = slots * (packed_dim * 32 // width)
         for d in lead:
             count *= d
         total += count * dtype_size

@@ -28,7 +28,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from kvplugin.cache.layers import is_quantizable
-from kvplugin.codecs import CODEC_ATTR, CODECS, SEED_ATTR, CodecPlan, UnknownCodec
+from kvplugin.codecs import (CODEC_ATTR, CODECS, KEY_GROUP_ATTR, SEED_ATTR, SYM_KEY_GROUP,
+                             CodecPlan, UnknownCodec)
+
+SYM = "rotated-channel-sym"  # keys per channel in groups of SYM_KEY_GROUP, values scale-only
 
 __all__ = [
     "ALLOWED_BITS",
@@ -44,6 +47,7 @@ __all__ = [
     "quantize_entry",
     "dequantize_entry",
     "attention_roundtrip_error",
+    "codec_arrays",
 ]
 
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
@@ -234,17 +238,23 @@ def _quantize_layer(
     widths = (keys.shape[-1], values.shape[-1])
     if codec != "affine" and not all(rotation.rotatable(w) for w in widths):
         codec = "affine"
-    if codec == "rotated-channel" and keys.shape[-1] % 32:
+    if codec in ("rotated-channel", SYM) and keys.shape[-1] % 32:  # (the group divides both)
         codec = "rotated"
     q = QuantizedKVCache(group_size=group_size, bits=bits)
     if codec != "affine":
         keys, values = rotation.rotate(keys), rotation.rotate(values)
         setattr(q, SEED_ATTR, rotation.CODEC_SEED)
-    if codec == "rotated-channel":
-        q.keys = channel.quantize_channels(keys, group_size, bits)
+    if codec == SYM:
+        from kvplugin.cache.symmetric import quantize_symmetric
+
+        setattr(q, KEY_GROUP_ATTR, SYM_KEY_GROUP)
+        q.keys = channel.quantize_channels(keys, SYM_KEY_GROUP, bits)
+        q.values = quantize_symmetric(values, group_size, vbits)
     else:
-        q.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
-    q.values = tuple(mx.quantize(values, group_size=group_size, bits=vbits))
+        q.keys = (channel.quantize_channels(keys, group_size, bits)
+                  if codec == "rotated-channel"
+                  else tuple(mx.quantize(keys, group_size=group_size, bits=bits)))
+        q.values = tuple(mx.quantize(values, group_size=group_size, bits=vbits))
     sink = min(sink, n)
     start = max(sink, n - recent)
     between = _boundary_ranges(boundaries, recent, sink, start)
@@ -364,6 +374,22 @@ def _dequantize(parts: Any, n: int, group_size: int, bits: int, dtype: Any) -> m
     return out if out.dtype == dtype else out.astype(dtype)
 
 
+def _dequantize_codec(layer: Any, codec: str, n: int, vbits: int, dtype: Any):
+    """The first ``n`` keys and values as the codec stored them (still rotated)."""
+    from kvplugin.cache.channel import dequantize_channels
+
+    group = layer.group_size
+    if codec == SYM:
+        from kvplugin.cache.symmetric import dequantize_symmetric
+
+        return (dequantize_channels(layer.keys, n, getattr(layer, KEY_GROUP_ATTR), layer.bits,
+                                    dtype),
+                dequantize_symmetric(layer.values, n, group, vbits, dtype))
+    keys = (dequantize_channels(layer.keys, n, group, layer.bits, dtype)
+            if codec == "rotated-channel" else _dequantize(layer.keys, n, group, layer.bits, dtype))
+    return keys, _dequantize(layer.values, n, group, vbits, dtype)
+
+
 def _protected_ranges(layer: Any) -> list[tuple[int, int]]:
     """Where a layer's full-precision rows go, in the order it holds them: ``(start, count)``
     of the sinks, the rows before prompt boundaries, the recent rows. :class:`UnknownCodec`
@@ -385,12 +411,18 @@ def _protected_ranges(layer: Any) -> list[tuple[int, int]]:
     return ranges + [(start, recent)]
 
 
-def _restore_protected(out: mx.array, parts: Any, layer: Any, n: int) -> mx.array:
-    """Write the full-precision rows (those still below ``n``, and still held: a prefix copy
-    cuts the 4th array too) over ``out``."""
-    if len(parts) < 4:
+def codec_arrays(codec: str, name: str) -> int:
+    """Arrays a layer's quantized ``keys`` or ``values`` are stored in before the protected
+    rows: ``(codes, scales, minimums)``, values of ``rotated-channel-sym`` ``(codes, scales)``."""
+    return 2 if codec == SYM and name == "values" else 3
+
+
+def _restore_protected(out: mx.array, kept: mx.array | None, layer: Any, n: int) -> mx.array:
+    """Write the full-precision rows ``kept`` (those still below ``n``, and still held: a
+    prefix copy cuts that array too) over ``out``."""
+    if kept is None:
         return out
-    kept, row = parts[3], 0
+    row = 0
     for start, count in _protected_ranges(layer):
         stop = min(start + count, n, start + max(0, kept.shape[-2] - row))
         if stop > start:
@@ -411,22 +443,39 @@ def _codec_of(layer: Any) -> tuple[str, int]:
     seed = getattr(layer, SEED_ATTR, None)
     if codec != "affine" and not _is_int(seed):
         raise UnknownCodec(f"{codec} layer without an integer seed")
-    parts = len(layer.keys) if isinstance(layer.keys, (tuple, list)) else 3
-    if parts == 4:
+    key_group = getattr(layer, KEY_GROUP_ATTR, None)
+    if (codec == SYM) != (key_group is not None) or (key_group is not None
+                                                     and not (_is_int(key_group) and key_group > 0)):
+        raise UnknownCodec(f"{codec} layer with key group {key_group!r}")
+    if layer.keys is None:
+        return codec, seed if _is_int(seed) else 0
+    extra = [len(arrays) - codec_arrays(codec, name) if isinstance(arrays, (tuple, list)) else -1
+             for name, arrays in (("keys", layer.keys), ("values", layer.values))]
+    if extra == [1, 1]:
         held = sum(count for _, count in _protected_ranges(layer))
-        if any(x[3].shape[-2] > held for x in (layer.keys, layer.values)):  # fewer: cut
+        if any(x[-1].shape[-2] > held for x in (layer.keys, layer.values)):  # fewer: cut
             raise UnknownCodec("protected tokens without a consistent record")
-    elif parts != 3 or hasattr(layer, BOUNDARY_ATTR):
-        raise UnknownCodec(f"stored layer has {parts} key arrays")
-    if codec == "rotated-channel" and layer.keys is not None and layer.offset > 0:
-        from kvplugin.cache.channel import scale_rows
-
-        words, scales = layer.keys[0], layer.keys[1]
-        if (words.shape[-2] < layer.offset or scales.shape != layer.keys[2].shape
-                or scales.shape[-2] < scale_rows(layer.offset, layer.group_size)
-                or scales.shape[-1] * layer.bits != words.shape[-1] * 32):
-            raise UnknownCodec("per-channel keys whose arrays do not match their record")
+    elif extra != [0, 0] or hasattr(layer, BOUNDARY_ATTR):
+        raise UnknownCodec(f"stored {codec} layer with {extra} arrays past its codec's")
+    if codec in ("rotated-channel", SYM) and layer.offset > 0:
+        _check_packed(layer, codec, key_group or layer.group_size, vbits)
     return codec, seed if _is_int(seed) else 0
+
+
+def _check_packed(layer: Any, codec: str, key_group: int, vbits: int) -> None:
+    """The per-channel keys (and scale-only values) hold what their record says."""
+    from kvplugin.cache.channel import scale_rows
+
+    words, scales = layer.keys[0], layer.keys[1]
+    if (words.shape[-2] < layer.offset or scales.shape != layer.keys[2].shape
+            or scales.shape[-2] < scale_rows(layer.offset, key_group)
+            or scales.shape[-1] * layer.bits != words.shape[-1] * 32):
+        raise UnknownCodec("per-channel keys whose arrays do not match their record")
+    if codec == SYM:
+        words, scales = layer.values[0], layer.values[1]
+        if (min(words.shape[-2], scales.shape[-2]) < layer.offset
+                or scales.shape[-1] * layer.group_size * vbits != words.shape[-1] * 32):
+            raise UnknownCodec("scale-only values whose arrays do not match their record")
 
 
 def codec_name(layer: Any) -> str:
@@ -479,19 +528,15 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
         if layer.keys is not None and layer.offset > 0:
             n, dtype = layer.offset, _original_dtype(layer)
             vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
-            if codec == "rotated-channel":
-                from kvplugin.cache.channel import dequantize_channels
-
-                kv.keys = dequantize_channels(layer.keys, n, layer.group_size, layer.bits, dtype)
-            else:
-                kv.keys = _dequantize(layer.keys, n, layer.group_size, layer.bits, dtype)
-            kv.values = _dequantize(layer.values, n, layer.group_size, vbits, dtype)
+            kv.keys, kv.values = _dequantize_codec(layer, codec, n, vbits, dtype)
             if codec != "affine":
                 from kvplugin.cache.rotation import unrotate
 
                 kv.keys, kv.values = unrotate(kv.keys, seed), unrotate(kv.values, seed)
-            kv.keys = _restore_protected(kv.keys, layer.keys, layer, n)
-            kv.values = _restore_protected(kv.values, layer.values, layer, n)
+            for name in ("keys", "values"):
+                arrays = getattr(layer, name)
+                kept = arrays[-1] if len(arrays) > codec_arrays(codec, name) else None
+                setattr(kv, name, _restore_protected(getattr(kv, name), kept, layer, n))
             kv.offset = n
             mx.eval(kv.keys, kv.values)
         out[i] = kv

@@ -28,7 +28,8 @@ from typing import Any
 import mlx.core as mx
 
 from kvplugin.cache.layers import layout_of
-from kvplugin.cache.quantize import VALUE_BITS_ATTR
+from kvplugin.cache.quantize import VALUE_BITS_ATTR, codec_arrays
+from kvplugin.codecs import CODEC_ATTR
 
 __all__ = ["ModelChecker", "Reference", "entry_problem", "reference_of"]
 
@@ -115,14 +116,16 @@ def _attention_problem(layer: Any, ref: Reference, where: str) -> str | None:
         if want is None or got is None:
             continue
         dtype, shape = want
-        if bits is not None:  # (packed uint32, scales, biases[, protected rows]): widths
-            if not isinstance(got, (list, tuple)) or len(got) not in (3, 4):  # in packed words
-                return f"{where}.{name}: not a quantized triple"
+        if bits is not None:  # (packed uint32, scales[, biases][, protected rows]): widths
+            held = codec_arrays(getattr(layer, CODEC_ATTR, "affine"), name)  # in packed words
+            if not isinstance(got, (list, tuple)) or len(got) not in (held, held + 1):
+                return f"{where}.{name}: not the codec's {held} quantized arrays"
             if name == "values":
                 bits = getattr(layer, VALUE_BITS_ATTR, bits)
-            if len(got) == 4 and (got[3].dtype != dtype or got[3].shape[:-2] != shape[:-2]
-                                  or got[3].shape[-1] != shape[-1]):
-                return f"{where}.{name}: protected rows {tuple(got[3].shape)}/{got[3].dtype} " \
+            kept = got[-1] if len(got) > held else None
+            if kept is not None and (kept.dtype != dtype or kept.shape[:-2] != shape[:-2]
+                                     or kept.shape[-1] != shape[-1]):
+                return f"{where}.{name}: protected rows {tuple(kept.shape)}/{kept.dtype} " \
                        f"for a model whose {name} are {shape}/{dtype}"
             packed, scales = got[0], got[1]
             width = packed.shape[-1] * 32 // int(bits)
