@@ -43,6 +43,7 @@ DEFAULT_CODECS = (
     "rotated-k4v4-g64-s4r32", "rotated-channel-k4v4-g64-s4r0",
     "rotated-channel-k4v4-g64-s4r16", "rotated-channel-k4v4-g64-s4r32",
     "rotated-channel-k4v3-g64-s4r16", "rotated-channel-k3v3-g64-s4r16",
+    "rotated-channel-sym-k3v3-g64-s4r16",
 )
 _SPEC = re.compile(r"(affine|rotated|rotated-channel|rotated-channel-sym)-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
 
@@ -166,13 +167,15 @@ def _plot(rows: list[dict], path: Path, title: str) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
-        colour = ("tab:green" if r["codec"].startswith("rotated-channel") else
+        colour = ("tab:purple" if r["codec"].startswith("rotated-channel-sym") else
+                  "tab:green" if r["codec"].startswith("rotated-channel") else
                   "tab:blue" if r["codec"].startswith("rotated") else "tab:grey")
         ax.scatter(r["bytes_vs_fp16"], max(r["mean_kl"], 1e-7), color=colour)
         ax.annotate(r["codec"], (r["bytes_vs_fp16"], max(r["mean_kl"], 1e-7)), fontsize=7)
     ax.set_yscale("log")
     ax.axhline(1e-3, ls="--", color="tab:red", lw=0.8)
     ax.axvline(0.30, ls=":", color="tab:red", lw=0.8)
+    ax.axvline(0.22, ls=":", color="tab:red", lw=0.8)
     ax.set_xlabel("stored bytes / fp16 bytes")
     ax.set_ylabel("mean KL vs fp16 entry (nats)")
     ax.set_title(title, fontsize=9)
