@@ -214,16 +214,12 @@ def quantized_size_bound(entry: Mapping[str, Any], quantization: Mapping[str, An
     of tokens), plus the tokens the entry says it keeps at full precision, which must be no
     more than the sinks and the recent tokens, once more before each of at most 8 earlier
     prompts' ends (prompt boundaries)."""
-    from kvplugin.codecs import SYM_KEY_GROUP
-
     n, dense = entry["tokens"], entry["dense_nbytes"]
     group, half, codec = quantization["group_size"], dense / 2, quantization["codec"]
-    sym = codec == "rotated-channel-sym"  # keys in groups of 128 tokens, values scale-only
-    key_group = SYM_KEY_GROUP if sym else group
-    rows = (-(-n // key_group) * key_group / n
-            if codec in ("rotated-channel", "rotated-channel-sym") else 1)
-    keys = half * (quantization["key_bits"] / 16 + 2 / key_group * rows)
-    values = half * (quantization["value_bits"] / 16 + (1 if sym else 2) / group)
+    rows = -(-n // group) * group / n if codec.startswith("rotated-channel") else 1
+    keys = half * (quantization["key_bits"] / 16 + 2 / group * rows)
+    scale_only = codec == "rotated-channel-sym"  # values: a scale and no minimum per group
+    values = half * (quantization["value_bits"] / 16 + (1 if scale_only else 2) / group)
     kept = entry["full_precision_tokens"]
     assert kept <= min(n, quantization["sink_tokens"] + 9 * quantization["recent_tokens"]), entry
     return keys + values + kept * dense / n + 64

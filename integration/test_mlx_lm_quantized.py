@@ -96,10 +96,10 @@ def test_entries_stored_quantized(request, bits, seed):
     assert any(e["bits"][0] is None for e in entries)  # the short one stayed full precision
     stats = srv.get("/kvplugin/stats")
     # the default codec (auto): affine at 8 bits, at 4 rotated-channel with 4 sink and 16
-    # recent tokens at full precision, at 3 the same with scale-only values and keys in
-    # groups of 128 tokens (issue 15, docs/benchmarks.md)
+    # recent tokens at full precision, at 3 the same with scale-only values and 6 recent
+    # tokens (issue 15, docs/benchmarks.md)
     codec, sink, recent = {8: ("affine", 0, 0), 4: ("rotated-channel", 4, 16),
-                           3: ("rotated-channel-sym", 4, 16)}[bits]
+                           3: ("rotated-channel-sym", 4, 6)}[bits]
     assert stats["quantization"] == {"bits": bits, "group_size": 64, "min_tokens": MIN_TOKENS,
         "codec": codec, "codec_setting": "auto", "key_bits": bits, "value_bits": bits,
         "sink_tokens": sink, "recent_tokens": recent}

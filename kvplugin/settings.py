@@ -122,8 +122,8 @@ class KVPluginSettings(BaseSettings):
         "auto",
         description="Codec of quantized entries: affine (mlx per-token groups), rotated (a "
         "seeded Hadamard along head_dim first), rotated-channel (rotated, keys quantized "
-        "per channel in groups of group-size tokens), rotated-channel-sym (keys per channel "
-        "in groups of 128 tokens, values with a scale and no minimum: smaller), or auto: "
+        "per channel in groups of group-size tokens), rotated-channel-sym (the same, values "
+        "with a scale and no minimum: smaller), or auto: "
         "affine from 6 key bits on, rotated-channel below, rotated-channel-sym at 3 bits and "
         "below (the best measured, docs/benchmarks.md).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},
@@ -148,7 +148,8 @@ class KVPluginSettings(BaseSettings):
         None,
         description="The last tokens of a quantized entry, and as many before each earlier "
         "prompt's end inside it (where a repeated or edited turn reuses it), kept at full "
-        "precision besides. Default: 16 with the rotated codecs below 6 bits, else 0.",
+        "precision besides. Default: 16 with the rotated codecs below 6 bits (6 with "
+        "rotated-channel-sym), else 0.",
         json_schema_extra={"allowed": "an integer >= 0"},
     )
     kv_cache_min_quantize_tokens: int = Field(

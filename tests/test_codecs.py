@@ -189,8 +189,9 @@ def test_bench_codec_specs_parse_and_reject_garbage():
     assert parse_codec("rotated-k4v3-g64-s4r32") == dict(
         codec="rotated", bits=4, value_bits=3, group_size=64, sink_tokens=4, recent_tokens=32)
     assert parse_codec("rotated-channel-k4v4-g64-s4r0")["codec"] == "rotated-channel"
+    assert parse_codec("rotated-channel-sym-k3v3-g64-s4r6")["codec"] == "rotated-channel-sym"
     assert {parse_codec(s)["codec"] for s in DEFAULT_CODECS} == {
-        "affine", "rotated", "rotated-channel"}
+        "affine", "rotated", "rotated-channel", "rotated-channel-sym"}
     with pytest.raises(ValueError, match="CODEC-kKvV"):
         parse_codec("turbo-k4")
 
@@ -282,8 +283,9 @@ def test_only_plain_affine_layers_are_handed_to_a_quantized_host_as_they_are():
 @pytest.mark.parametrize("flags,want", [
     ({}, "affine-k8v8"),  # the default: 8-bit entries are already near lossless
     ({"kv_cache_quantization_bits": 4}, "rotated-channel-k4v4-s4r16"),
+    ({"kv_cache_quantization_bits": 3}, "rotated-channel-sym-k3v3-s4r6"),  # values scale-only
     ({"kv_cache_quantization_bits": 3, "kv_cache_recent_tokens": 0},
-     "rotated-channel-sym-k3v3-s4r0"),  # at 3 bits: values scale-only, keys in 128s
+     "rotated-channel-sym-k3v3-s4r0"),
     ({"kv_cache_key_bits": 4, "kv_cache_value_bits": 3}, "rotated-channel-k4v3-s4r16"),
     ({"kv_cache_quantization_bits": 3, "kv_cache_codec": "rotated-channel"},
      "rotated-channel-k3v3-s4r16"),

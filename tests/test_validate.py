@@ -162,12 +162,12 @@ def test_every_family_runs_from_a_default_4bit_entry_read_back_from_the_tier(fam
     # by up to ~30% either way (gemma3 0.20 vs 0.16, gpt_oss 0.03 vs 0.04), while a broken
     # codec (misread layout, a rotation not undone) gives 1.0-1.3, over 6x affine's
     assert got_error <= 1.5 * affine, (family, got_error, affine)
-    # the 3-bit default (rotated-channel-sym: scale-only values, keys in 128s) on the same
+    # the 3-bit default (rotated-channel-sym: scale-only values, 6 recent rows) on the same
     # layers, read back and run; against 3-bit affine's error by the same measure
     affine3 = error(dequantize_entry(
         quantize_entry(copy.deepcopy(cache), bits=3, group_size=64, codec="affine").cache))
     q3 = quantize_entry(copy.deepcopy(cache), bits=3, group_size=64, codec="rotated-channel-sym",
-                        sink_tokens=4, recent_tokens=16).cache
+                        sink_tokens=4, recent_tokens=6).cache
     assert tier.put("m3", tokens, q3)
     got3 = tier.fetch("m3", tokens + [5])
     assert got3 is not None and entry_problem(got3[0], reference_of(model)) is None

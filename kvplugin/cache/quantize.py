@@ -28,10 +28,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from kvplugin.cache.layers import is_quantizable
-from kvplugin.codecs import (CODEC_ATTR, CODECS, KEY_GROUP_ATTR, SEED_ATTR, SYM_KEY_GROUP,
-                             CodecPlan, UnknownCodec)
+from kvplugin.codecs import CODEC_ATTR, CODECS, SEED_ATTR, CodecPlan, UnknownCodec
 
-SYM = "rotated-channel-sym"  # keys per channel in groups of SYM_KEY_GROUP, values scale-only
+SYM = "rotated-channel-sym"  # rotated-channel with scale-only values (kvplugin.cache.symmetric)
 
 __all__ = [
     "ALLOWED_BITS",
@@ -244,16 +243,15 @@ def _quantize_layer(
     if codec != "affine":
         keys, values = rotation.rotate(keys), rotation.rotate(values)
         setattr(q, SEED_ATTR, rotation.CODEC_SEED)
+    if codec in ("rotated-channel", SYM):
+        q.keys = channel.quantize_channels(keys, group_size, bits)
+    else:
+        q.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
     if codec == SYM:
         from kvplugin.cache.symmetric import quantize_symmetric
 
-        setattr(q, KEY_GROUP_ATTR, SYM_KEY_GROUP)
-        q.keys = channel.quantize_channels(keys, SYM_KEY_GROUP, bits)
         q.values = quantize_symmetric(values, group_size, vbits)
     else:
-        q.keys = (channel.quantize_channels(keys, group_size, bits)
-                  if codec == "rotated-channel"
-                  else tuple(mx.quantize(keys, group_size=group_size, bits=bits)))
         q.values = tuple(mx.quantize(values, group_size=group_size, bits=vbits))
     sink = min(sink, n)
     start = max(sink, n - recent)
@@ -378,16 +376,15 @@ def _dequantize_codec(layer: Any, codec: str, n: int, vbits: int, dtype: Any):
     """The first ``n`` keys and values as the codec stored them (still rotated)."""
     from kvplugin.cache.channel import dequantize_channels
 
-    group = layer.group_size
-    if codec == SYM:
-        from kvplugin.cache.symmetric import dequantize_symmetric
+    from kvplugin.cache.symmetric import dequantize_symmetric
 
-        return (dequantize_channels(layer.keys, n, getattr(layer, KEY_GROUP_ATTR), layer.bits,
-                                    dtype),
-                dequantize_symmetric(layer.values, n, group, vbits, dtype))
+    group = layer.group_size
     keys = (dequantize_channels(layer.keys, n, group, layer.bits, dtype)
-            if codec == "rotated-channel" else _dequantize(layer.keys, n, group, layer.bits, dtype))
-    return keys, _dequantize(layer.values, n, group, vbits, dtype)
+            if codec in ("rotated-channel", SYM)
+            else _dequantize(layer.keys, n, group, layer.bits, dtype))
+    values = (dequantize_symmetric(layer.values, n, group, vbits, dtype) if codec == SYM
+              else _dequantize(layer.values, n, group, vbits, dtype))
+    return keys, values
 
 
 def _protected_ranges(layer: Any) -> list[tuple[int, int]]:
@@ -443,10 +440,6 @@ def _codec_of(layer: Any) -> tuple[str, int]:
     seed = getattr(layer, SEED_ATTR, None)
     if codec != "affine" and not _is_int(seed):
         raise UnknownCodec(f"{codec} layer without an integer seed")
-    key_group = getattr(layer, KEY_GROUP_ATTR, None)
-    if (codec == SYM) != (key_group is not None) or (key_group is not None
-                                                     and not (_is_int(key_group) and key_group > 0)):
-        raise UnknownCodec(f"{codec} layer with key group {key_group!r}")
     if layer.keys is None:
         return codec, seed if _is_int(seed) else 0
     extra = [len(arrays) - codec_arrays(codec, name) if isinstance(arrays, (tuple, list)) else -1
@@ -458,17 +451,17 @@ def _codec_of(layer: Any) -> tuple[str, int]:
     elif extra != [0, 0] or hasattr(layer, BOUNDARY_ATTR):
         raise UnknownCodec(f"stored {codec} layer with {extra} arrays past its codec's")
     if codec in ("rotated-channel", SYM) and layer.offset > 0:
-        _check_packed(layer, codec, key_group or layer.group_size, vbits)
+        _check_packed(layer, codec, vbits)
     return codec, seed if _is_int(seed) else 0
 
 
-def _check_packed(layer: Any, codec: str, key_group: int, vbits: int) -> None:
+def _check_packed(layer: Any, codec: str, vbits: int) -> None:
     """The per-channel keys (and scale-only values) hold what their record says."""
     from kvplugin.cache.channel import scale_rows
 
     words, scales = layer.keys[0], layer.keys[1]
     if (words.shape[-2] < layer.offset or scales.shape != layer.keys[2].shape
-            or scales.shape[-2] < scale_rows(layer.offset, key_group)
+            or scales.shape[-2] < scale_rows(layer.offset, layer.group_size)
             or scales.shape[-1] * layer.bits != words.shape[-1] * 32):
         raise UnknownCodec("per-channel keys whose arrays do not match their record")
     if codec == SYM:

@@ -43,7 +43,7 @@ DEFAULT_CODECS = (
     "rotated-k4v4-g64-s4r32", "rotated-channel-k4v4-g64-s4r0",
     "rotated-channel-k4v4-g64-s4r16", "rotated-channel-k4v4-g64-s4r32",
     "rotated-channel-k4v3-g64-s4r16", "rotated-channel-k3v3-g64-s4r16",
-    "rotated-channel-sym-k3v3-g64-s4r16",
+    "rotated-channel-sym-k3v3-g64-s4r6",
 )
 _SPEC = re.compile(r"(affine|rotated|rotated-channel|rotated-channel-sym)-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
 
