@@ -375,7 +375,6 @@ def _dequantize(parts: Any, n: int, group_size: int, bits: int, dtype: Any) -> m
 def _dequantize_codec(layer: Any, codec: str, n: int, vbits: int, dtype: Any):
     """The first ``n`` keys and values as the codec stored them (still rotated)."""
     from kvplugin.cache.channel import dequantize_channels
-
     from kvplugin.cache.symmetric import dequantize_symmetric
 
     group = layer.group_size

@@ -45,7 +45,8 @@ DEFAULT_CODECS = (
     "rotated-channel-k4v3-g64-s4r16", "rotated-channel-k3v3-g64-s4r16",
     "rotated-channel-sym-k3v3-g64-s4r6",
 )
-_SPEC = re.compile(r"(affine|rotated|rotated-channel|rotated-channel-sym)-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
+_SPEC = re.compile(r"(affine|rotated|rotated-channel|rotated-channel-sym)"
+                   r"-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
 
 
 def parse_codec(spec: str) -> dict[str, Any]:
