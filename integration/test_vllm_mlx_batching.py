@@ -126,9 +126,10 @@ def _quantized_traffic_then_stop(srv, quant_home):
     assert all(a and a[0] for a in answers)
     s = stats(srv)
     assert s["quantization"] == {"bits": 3, "group_size": 64, "min_tokens": 200,
-        # the default codec at 3 bits (auto): keys per channel, 4 sink + 16 recent tokens kept
-        "codec": "rotated-channel", "codec_setting": "auto", "key_bits": 3, "value_bits": 3,
-        "sink_tokens": 4, "recent_tokens": 16}, s
+        # the default codec at 3 bits (auto): keys per channel, values with a scale and no
+        # minimum, 4 sink + 6 recent tokens kept
+        "codec": "rotated-channel-sym", "codec_setting": "auto", "key_bits": 3,
+        "value_bits": 3, "sink_tokens": 4, "recent_tokens": 6}, s
     assert s["entries_quantized"] >= 8, s
     assert s["bytes_stored"] < 0.5 * s["bytes_before"], s  # 3-bit: ~0.22 + protected tokens
     assert all(e["nbytes"] <= harness.quantized_size_bound(e, s["quantization"])
@@ -146,6 +147,7 @@ def _quantized_traffic_then_stop(srv, quant_home):
         layers = json.loads(safetensors_metadata(f)["layers"])
         assert {lay["kind"] for lay in layers} == {"QuantizedKVCache"}, layers
         assert {lay["attrs"]["bits"] for lay in layers} == {3}, layers
+        assert {lay["attrs"]["kvplugin_codec"] for lay in layers} == {"rotated-channel-sym"}
 
 
 PERSIST = "kvplugin"
