@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODECS", "CHOICES", "CODEC_ATTR", "SEED_ATTR", "CodecPlan", "UnknownCodec",
-           "codec_plan"]
+__all__ = ["CODECS", "CHOICES", "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan",
+           "UnknownCodec", "codec_plan"]
 
 CODECS = ("affine", "rotated", "rotated-channel", "rotated-channel-sym")  # what
 # kvplugin.cache.quantize can read
@@ -32,6 +32,8 @@ CHOICES = ("auto",) + CODECS
 #: the SSD and remote formats carry); a layer without the codec attribute is ``affine``.
 CODEC_ATTR = "kvplugin_codec"
 SEED_ATTR = "kvplugin_codec_seed"
+#: ... and its value bits where they differ from the keys' (``layer.bits``)
+VALUE_BITS_ATTR = "kvplugin_value_bits"
 #: ``auto`` is ``affine`` from this many key bits on, ``rotated-channel`` below, and
 #: ``rotated-channel-sym`` at or below :data:`AUTO_SYM_UP_TO_BITS`
 AUTO_AFFINE_FROM_BITS = 6

@@ -32,6 +32,7 @@ from mlx_lm.models import cache as _mlc
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
+from kvplugin.codecs import VALUE_BITS_ATTR
 
 __all__ = [
     "KINDS", "KNOWN_FIELDS", "LayerKind", "can_copy_prefix", "copy_prefix", "dense_nbytes",
@@ -122,7 +123,7 @@ def dense_nbytes(layer: Any) -> int:
     total = 0
     scales = keys[1] if len(keys) > 1 else None
     dtype_size = scales.dtype.size if scales is not None else 2
-    value_bits = getattr(layer, "kvplugin_value_bits", bits)  # K/V-asymmetric widths
+    value_bits = getattr(layer, VALUE_BITS_ATTR, bits)  # K/V-asymmetric widths
     for parts, width in ((layer.keys, bits), (layer.values, value_bits)):
         *lead, slots, packed_dim = parts[0].shape  # slots held (a trimmed entry: its tokens)
         count = slots * (packed_dim * 32 // width)

@@ -28,9 +28,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from kvplugin.cache.layers import is_quantizable
-from kvplugin.codecs import CODEC_ATTR, CODECS, SEED_ATTR, CodecPlan, UnknownCodec
+from kvplugin.codecs import (CODEC_ATTR, CODECS, SEED_ATTR, VALUE_BITS_ATTR, CodecPlan,
+                             UnknownCodec)
 
 SYM = "rotated-channel-sym"  # rotated-channel with scale-only values (kvplugin.cache.symmetric)
+CHANNEL_KEYS = ("rotated-channel", SYM)  # the codecs whose keys are per channel
 
 __all__ = [
     "ALLOWED_BITS",
@@ -53,9 +55,8 @@ ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 DTYPE_ATTR = "kvplugin_dtype"
 # What a stored layer records about its codec (scalars: they ride along in the SSD file's
-# layer attributes, see kvplugin.cache.serialize): CODEC_ATTR and SEED_ATTR (kvplugin.codecs;
-# a layer without CODEC_ATTR is ``affine``), and
-VALUE_BITS_ATTR = "kvplugin_value_bits"
+# layer attributes, see kvplugin.cache.serialize): CODEC_ATTR, SEED_ATTR and VALUE_BITS_ATTR
+# (kvplugin.codecs; a layer without CODEC_ATTR is ``affine``), and
 # Protected tokens: the first SINK_ATTR tokens and RECENT_ATTR tokens from RECENT_START_ATTR
 # on are kept at full precision as a 4th array of the keys/values tuples (sinks then recent),
 # and written over the dequantized rows. A later trim shortens w/scales/biases only; rows
@@ -237,13 +238,13 @@ def _quantize_layer(
     widths = (keys.shape[-1], values.shape[-1])
     if codec != "affine" and not all(rotation.rotatable(w) for w in widths):
         codec = "affine"
-    if codec in ("rotated-channel", SYM) and keys.shape[-1] % 32:  # (the group divides both)
+    if codec in CHANNEL_KEYS and keys.shape[-1] % 32:  # (the group divides both)
         codec = "rotated"
     q = QuantizedKVCache(group_size=group_size, bits=bits)
     if codec != "affine":
         keys, values = rotation.rotate(keys), rotation.rotate(values)
         setattr(q, SEED_ATTR, rotation.CODEC_SEED)
-    if codec in ("rotated-channel", SYM):
+    if codec in CHANNEL_KEYS:
         q.keys = channel.quantize_channels(keys, group_size, bits)
     else:
         q.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
@@ -379,7 +380,7 @@ def _dequantize_codec(layer: Any, codec: str, n: int, vbits: int, dtype: Any):
 
     group = layer.group_size
     keys = (dequantize_channels(layer.keys, n, group, layer.bits, dtype)
-            if codec in ("rotated-channel", SYM)
+            if codec in CHANNEL_KEYS
             else _dequantize(layer.keys, n, group, layer.bits, dtype))
     values = (dequantize_symmetric(layer.values, n, group, vbits, dtype) if codec == SYM
               else _dequantize(layer.values, n, group, vbits, dtype))
@@ -449,7 +450,7 @@ def _codec_of(layer: Any) -> tuple[str, int]:
             raise UnknownCodec("protected tokens without a consistent record")
     elif extra != [0, 0] or hasattr(layer, BOUNDARY_ATTR):
         raise UnknownCodec(f"stored {codec} layer with {extra} arrays past its codec's")
-    if codec in ("rotated-channel", SYM) and layer.offset > 0:
+    if codec in CHANNEL_KEYS and layer.offset > 0:
         _check_packed(layer, codec, vbits)
     return codec, seed if _is_int(seed) else 0
 
