@@ -9,9 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx_lm
 import pytest
 
-from kvplugin.tools.bench.memory import RunResult, TurnResult, configs_to_run, host_tokens_saved
+from kvplugin.tools.bench.memory import (
+    RunResult,
+    TurnResult,
+    configs_to_run,
+    entry_bytes,
+    host_tokens_saved,
+)
+from kvplugin.tools.models.families import available, build_family_model
 
 
 def turn(cached: int | None) -> TurnResult:
@@ -49,3 +57,31 @@ def test_stock_always_runs_first_so_every_row_has_its_baseline():
     assert configs_to_run("fp16,stock,fp16") == ["stock", "fp16"]
     with pytest.raises(ValueError, match="unknown --configs 2bit"):
         configs_to_run("stock,2bit")
+
+
+_ENTRY_FAMILIES = [f for f in ("mamba", "gemma3_text", "deepseek_v3", "falcon_h1")
+                   if available(f, mlx_lm.__version__)]
+
+
+@pytest.mark.parametrize("family", _ENTRY_FAMILIES)
+def test_the_entry_is_what_the_models_own_cache_holds(family, tmp_path):
+    """The bench's "x entry" unit is read from the model's cache classes. It was computed from
+    ``config.json`` as plain attention, which crashed on Mamba (no attention heads) after the
+    whole run, and was wrong for windows, recurrent state and latent (MLA) caches."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvplugin.cache.layers import entry_nbytes
+    from kvplugin.cache.trim import trim_entry
+
+    model_dir = build_family_model(family, tmp_path / family)
+    model, _ = load(str(model_dir))
+    n = 300  # past the tiny models' 128-token windows
+    cache = make_prompt_cache(model)
+    ids = mx.array([[5 + i % 50 for i in range(n)]])
+    for start in range(0, n, 64):  # in prefill steps, as a server feeds a prompt
+        model(ids[:, start : start + 64], cache=cache)
+    assert entry_bytes(model_dir, n) == entry_nbytes(trim_entry(cache)) > 0
+    if family == "mamba":  # recurrent state only: the same at any length
+        assert entry_bytes(model_dir, 10) == entry_bytes(model_dir, n)

@@ -96,10 +96,41 @@ def test_exact_and_other_layers_returned_untouched():
     _feed(exact, [256], k, v)
     chunked = ChunkedKVCache(64)
     _feed(chunked, [10], k, v)
+    chunked = trim_entry([chunked])[0]
     layers = [exact, KVCache(), ArraysCache(2), CacheList(KVCache()), chunked, QuantizedKVCache()]
     out = trim_entry(layers)
     assert out is not layers
     assert all(o is i for o, i in zip(out, layers))
+
+
+def test_chunked_and_nested_attention_are_cut_to_what_they_hold():
+    """Llama 4's chunked layers and Falcon-H1's ``CacheList`` (recurrent state + attention)
+    kept their growth slack in the store (measured: 743 against 418 KiB and 545 against 327
+    KiB for the tiny models at 300 tokens); cut, they continue exactly like the originals."""
+    k, v = _kv(400, seed=3)
+    q = mx.random.normal(k.shape, key=mx.random.key(9))
+    chunked = ChunkedKVCache(64)
+    _feed(chunked, [100], k, v)
+    chunked.maybe_trim_front()  # as llama4's attention does before each call
+    _feed(chunked, [30], k, v, start=100)  # grows: [36, 130) held in 320 slots
+    state = ArraysCache(1)
+    state[0] = mx.ones((1, 3, 8))
+    nested = CacheList(state, KVCache())
+    _feed(nested.caches[1], [130], k, v)
+    for layer, used in ((chunked, 94), (nested, 130)):
+        original = [layer]
+        (cut,) = trim_entry(list(original))
+        kv = cut.caches[1] if isinstance(cut, CacheList) else cut
+        assert cut is not layer and kv.keys.shape[2] == used
+        if isinstance(cut, CacheList):
+            assert cut.caches[0] is state  # the recurrent state is kept as it is
+        ref = layer.caches[1] if isinstance(layer, CacheList) else layer
+        outs = []
+        for cache in (kv, ref):  # the next 20 tokens, attended causally over what is held
+            keys, values = cache.update_and_fetch(k[..., 130:150, :], v[..., 130:150, :])
+            outs.append(mx.fast.scaled_dot_product_attention(
+                q[..., 130:150, :], keys, values, scale=0.1, mask="causal"))
+        assert mx.array_equal(*outs).item()
 
 
 @pytest.mark.parametrize("heads", [1, 8])

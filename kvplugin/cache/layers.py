@@ -29,7 +29,13 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as _mlc
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
 
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
 from kvplugin.codecs import VALUE_BITS_ATTR
@@ -241,6 +247,35 @@ def _trim_rotating(layer: Any) -> Any:
     return new
 
 
+def _exact_chunked(layer: Any) -> bool:
+    size = _seq_len(layer)
+    return size is None or size == layer.offset - layer.start_position
+
+
+def _trim_chunked(layer: Any) -> Any:
+    """Llama 4's chunked attention holds tokens ``start_position..offset`` in slots
+    ``0..offset - start_position``; the rest is growth slack, cut like a plain layer's."""
+    used, new = layer.offset - layer.start_position, copy.copy(layer)
+    if used <= 0:
+        return layer
+    new.keys = _fresh([layer.keys[..., :used, :]])
+    new.values = _fresh([layer.values[..., :used, :]])
+    return new
+
+
+def _exact_list(layer: Any) -> bool:
+    return all(is_exact(child) for child in layer.caches)
+
+
+def _trim_list(layer: Any) -> Any:
+    """Falcon-H1's ``CacheList`` (recurrent state + attention): its children trimmed; the
+    attention child otherwise keeps its 256-slot growth slack in the store."""
+    new = copy.copy(layer)
+    kids = [trim_layer(child) for child in layer.caches]
+    new.caches = type(layer.caches)(kids) if isinstance(layer.caches, tuple) else kids
+    return new
+
+
 KINDS: dict[type, LayerKind] = {}
 
 
@@ -255,6 +290,8 @@ register_kind(QuantizedKVCache, LayerKind("QuantizedKVCache", _exact_linear, _tr
 register_kind(RotatingKVCache, LayerKind("RotatingKVCache", _exact_rotating, _trim_rotating))
 register_kind(PreallocatedRotatingKVCache,
               LayerKind("PreallocatedRotatingKVCache", _exact_rotating, _trim_rotating))
+register_kind(ChunkedKVCache, LayerKind("ChunkedKVCache", _exact_chunked, _trim_chunked))
+register_kind(CacheList, LayerKind("CacheList", _exact_list, _trim_list))
 
 
 def is_exact(layer: Any) -> bool:

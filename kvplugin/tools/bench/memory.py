@@ -6,7 +6,8 @@ same conversation on a stock server and on kvplugin servers (fp16, 8-bit, 4-bit 
 each under :mod:`kvplugin.tools.memtrace`, and reports for each:
 
 - ``VmHWM`` growth from just before the first turn to the end, as x the entry
-  (the entry = the KV bytes of the first turn's prompt, computed from the model's config);
+  (the entry = the bytes of the cache the first turn's prompt fills, read from the
+  model's own cache classes: :func:`entry_bytes`);
 - the same from just before the first *reuse* turn (what reuse itself costs);
 - the largest MLX transient of a reuse turn (peak during the turn minus the active memory
   before it), x the entry;
@@ -22,6 +23,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -156,15 +158,24 @@ def stored_codec(server: Any) -> str | None:
                      q["sink_tokens"], q["recent_tokens"]).name
 
 
-def kv_bytes_per_token(model_dir: Path) -> int:
-    """K+V bytes one token adds to a plain attention cache, from ``config.json``."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    layers = cfg["num_hidden_layers"]
-    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype = str(cfg.get("torch_dtype", "float16"))
-    itemsize = 4 if "32" in dtype else 2
-    return 2 * layers * kv_heads * head_dim * itemsize
+@lru_cache(maxsize=8)
+def _footprint(model_dir: str) -> Any:
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvplugin.cache.admission import probe_footprint
+
+    model, _ = load(model_dir)
+    return probe_footprint(model, make_prompt_cache(model), [1] * 4)
+
+
+def entry_bytes(model_dir: Path, tokens: int) -> int:
+    """The bytes of the cache a ``tokens``-token prompt fills in this model, read from the
+    model's own cache classes (a few tokens through a fresh cache, as admission control
+    probes it), not from ``config.json``: windows stop growing at their size, recurrent state
+    is fixed, latent (MLA) caches hold what they hold. A config-derived figure crashed on
+    state-space models (no attention heads) and was wrong for every non-plain family."""
+    return sum(layer.at(tokens) for layer in _footprint(str(Path(model_dir).resolve())).layers)
 
 
 def _turn(server: Any, messages: list[dict], max_tokens: int, seed: int | None) -> TurnResult:
@@ -239,7 +250,7 @@ def run_one(
         if saved_before is not None and saved_after is not None:
             result.host_tokens_saved = saved_after - saved_before
         time.sleep(0.3)  # let the recorder take a last sample after the final insert
-    result.entry_bytes = kv_bytes_per_token(model_dir) * result.turns[0].prompt_tokens
+    result.entry_bytes = entry_bytes(model_dir, result.turns[0].prompt_tokens)
     result.trace = [json.loads(line) for line in trace_path.read_text().splitlines() if line]
     return result
 
