@@ -48,3 +48,29 @@ def test_codec_bench_reports_every_codec(tmp_path, capsys):
         assert not (out / "codecs-pareto.png").exists()
     else:
         assert (out / "codecs-pareto.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("family", [None, "mamba"])
+def test_codec_bench_runs_on_a_users_model_directory(family, tmp_path, capsys):
+    """``--model DIR``: the same bench on another model (here the offline KV-heavy llama; its
+    weights are random, so only the deterministic bytes are asserted). A model whose layers
+    are not plain attention caches is refused before any work, naming the layers."""
+    from kvplugin.tools.models.families import build_family_model
+    from kvplugin.tools.models.kv_heavy import build_kv_heavy_model
+
+    model = build_kv_heavy_model() if family is None else build_family_model(family)
+    out = tmp_path / "codecs"
+    argv = ["bench", "--quality", "--real-model", "--model", str(model), "--prompts", "1",
+            "--prompt-tokens", "129", "--continuation-tokens", "4",
+            "--codecs", "affine-k8v8-g64-s0r0", "--out", str(out)]
+    if family is not None:
+        with pytest.raises(SystemExit, match="ArraysCache layers; this bench compares plain"):
+            cli.main(argv)
+        assert not out.exists()
+        return
+    assert cli.main(argv) == 0
+    data = json.loads((out / "codecs.json").read_text())
+    assert data["title"].startswith(f"{model.name} (float32 weights), 1 real-text window")
+    (row,) = data["rows"]
+    assert row["codec"] == "affine-k8v8-g64-s0r0"
+    assert row["bytes_vs_fp16"] == pytest.approx(8 / 16 + 2 / 64)

@@ -20,7 +20,8 @@ and compares with the fp16 entry over the fp16 greedy continuation:
   at full precision as a server keeps them (``prompt_boundaries``) and without;
 * quantize + dequantize time per MiB of fp16 entry (this machine's CPU, wall clock).
 
-Codecs are named ``CODEC-kKvV-gG-sSrR`` (keys K bits, values V bits, group G, S sink and R
+``--model DIR`` runs it on another mlx-lm model (plain attention caches). Codecs are named
+``CODEC-kKvV-gG-sSrR`` (keys K bits, values V bits, group G, S sink and R
 recent tokens at full precision). Output: a table, ``codecs.json`` and ``codecs-pareto.png``.
 """
 
@@ -192,8 +193,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=10, help="text windows (default 10)")
     p.add_argument("--prompt-tokens", type=int, default=1200, help="default 1200")
     p.add_argument("--continuation-tokens", type=int, default=200, help="default 200")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (default: SmolLM2-135M-Instruct, fp32) or an mlx-lm model "
+                        "directory whose layers are plain attention caches")
     p.add_argument("--out", type=Path, default=Path("kvplugin-bench"))
     return p
+
+
+def load_model(name: str) -> tuple[Any, Any, str]:
+    """``(model, tokenizer, label)``; SystemExit naming the layers this bench cannot compare.
+
+    Why plain attention only: the bench rounds the entry to fp16, cuts it back to a prompt
+    boundary and feeds it again; a window that wrapped or recurrent state cannot be cut back,
+    so their figures would not mean what the table says."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    if name == "smollm2":
+        from kvplugin.tools.models.smollm2 import build_smollm2
+
+        model, tok = load(str(build_smollm2()))
+        return model, tok, "SmolLM2-135M-Instruct fp32"
+    directory = Path(name).expanduser()
+    if not (directory / "config.json").is_file():
+        raise SystemExit(f"kvplugin bench --quality --real-model: --model {name}: not "
+                         "'smollm2' nor an mlx-lm model directory (no config.json)")
+    model, tok = load(str(directory))
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
+    if kinds:
+        raise SystemExit(f"kvplugin bench --quality --real-model: --model {name} has "
+                         f"{', '.join(kinds)} layers; this bench compares plain attention "
+                         "caches (KVCache) only")
+    from mlx.utils import tree_flatten
+
+    dtypes = sorted({str(a.dtype).removeprefix("mlx.core.") for _, a in
+                     tree_flatten(model.parameters())})
+    return model, tok, f"{directory.resolve().name} ({'/'.join(dtypes)} weights)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,12 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     specs = args.codecs.split(",")
     for s in specs:
         parse_codec(s)
-    from mlx_lm import load
-
     from kvplugin.tools.models import realtext
-    from kvplugin.tools.models.smollm2 import build_smollm2
 
-    model, tok = load(str(build_smollm2()))
+    model, tok, label = load_model(args.model)
     ids = tok.encode(realtext.text())
     span = args.prompt_tokens + args.continuation_tokens
     if len(ids) < span:
@@ -220,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{r['codec']} KL {r['mean_kl']:.2e} top1 {r['top1_agreement']:.4f}"
                           for r in _rows(acc)), file=sys.stderr, flush=True)
     rows = _rows(acc)
-    title = (f"SmolLM2-135M-Instruct fp32, {args.prompts} real-text windows of "
+    title = (f"{label}, {args.prompts} real-text windows of "
              f"{args.prompt_tokens} tokens, {args.continuation_tokens}-token continuations "
              "(kvplugin bench --quality --real-model)")
     cols = ["codec", "bytes_vs_fp16", "mean_kl", "max_kl", "top1_agreement", "free_running",
