@@ -32,8 +32,8 @@ COUNTERS = (
     ("tokens_reused", "Prompt tokens served from the cache.", "store_tokens_reused"),
     ("entries_invalid", "Fetched cold-tier entries that did not fit the model (layer count, "
      "kind, dtype or width): never served.", "entries_invalid"),
-    ("memory_releases", "Times kvplugin emptied MLX's buffer cache after evicting entries.",
-     "memory_releases"),
+    ("memory_releases", "Times kvplugin emptied MLX's buffer cache (after evictions and after "
+     "quantizing or dequantizing an entry).", "memory_releases"),
     ("bytes_released", "Bytes those releases handed back to the system (MLX buffer cache).",
      "bytes_released"),
     ("admitted", "Requests admission control admitted (--max-memory).", "admitted"),
