@@ -109,10 +109,10 @@ def test_chunked_and_nested_attention_are_cut_to_what_they_hold():
     KiB for the tiny models at 300 tokens); cut, they continue exactly like the originals."""
     k, v = _kv(400, seed=3)
     q = mx.random.normal(k.shape, key=mx.random.key(9))
-    chunked = ChunkedKVCache(64)
-    _feed(chunked, [100], k, v)
-    chunked.maybe_trim_front()  # as llama4's attention does before each call
-    _feed(chunked, [30], k, v, start=100)  # grows: [36, 130) held in 320 slots
+    chunked = ChunkedKVCache(64)  # as llama4 leaves it after its front was trimmed: tokens
+    chunked.keys = mx.concatenate([k[..., 36:130, :], mx.zeros_like(k[..., :226, :])], axis=2)
+    chunked.values = mx.concatenate([v[..., 36:130, :], mx.zeros_like(v[..., :226, :])], axis=2)
+    chunked.offset, chunked.start_position = 130, 36  # [36, 130) held in 320 slots
     state = ArraysCache(1)
     state[0] = mx.ones((1, 3, 8))
     nested = CacheList(state, KVCache())
