@@ -44,7 +44,7 @@ __all__ = [
     "KINDS", "KNOWN_FIELDS", "LayerKind", "can_copy_prefix", "copy_prefix", "dense_nbytes",
     "entry_arrays", "entry_nbytes", "entry_tokens", "extra_scalars", "is_exact",
     "is_quantizable", "is_trimmable", "layer_bits", "layout_of", "register_kind",
-    "copy_lent", "lend_view", "snapshot", "trim_layer",
+    "copy_lent", "lend_view", "snapshot", "trim_layer", "with_children",
 ]
 
 log = logging.getLogger("kvplugin.cache")
@@ -267,13 +267,17 @@ def _exact_list(layer: Any) -> bool:
     return all(is_exact(child) for child in layer.caches)
 
 
+def with_children(layer: Any, children: list) -> Any:
+    """A new ``CacheList`` like ``layer`` holding ``children`` (its scalars kept)."""
+    new = copy.copy(layer)
+    new.caches = type(layer.caches)(children) if isinstance(layer.caches, tuple) else children
+    return new
+
+
 def _trim_list(layer: Any) -> Any:
     """Falcon-H1's ``CacheList`` (recurrent state + attention): its children trimmed; the
     attention child otherwise keeps its 256-slot growth slack in the store."""
-    new = copy.copy(layer)
-    kids = [trim_layer(child) for child in layer.caches]
-    new.caches = type(layer.caches)(kids) if isinstance(layer.caches, tuple) else kids
-    return new
+    return with_children(layer, [trim_layer(child) for child in layer.caches])
 
 
 KINDS: dict[type, LayerKind] = {}

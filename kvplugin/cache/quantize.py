@@ -19,7 +19,6 @@ Imports only ``mlx.core`` and ``mlx_lm.models.cache``; works on mlx-lm 0.31.3 an
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
-from kvplugin.cache.layers import is_quantizable
+from kvplugin.cache.layers import is_quantizable, with_children
 from kvplugin.codecs import (CODEC_ATTR, CODECS, SEED_ATTR, VALUE_BITS_ATTR, CodecPlan,
                              UnknownCodec)
 
@@ -318,7 +317,7 @@ def quantize_entry(
                                    prompt_boundaries=prompt_boundaries)
             skipped += inner.skipped
             if inner.quantized:
-                out[i] = _cache_list(layer, inner.cache)
+                out[i] = with_children(layer, inner.cache)
                 quantized += 1
             continue
         if is_quantizable(layer, group_size):
@@ -345,13 +344,6 @@ def matches_live(layer: Any, bits: int, group_size: int, start: int) -> bool:
             and getattr(layer, CODEC_ATTR, "affine") == "affine"
             and getattr(layer, VALUE_BITS_ATTR, bits) == bits
             and isinstance(layer.keys, (tuple, list)) and len(layer.keys) == 3)
-
-
-def _cache_list(layer: Any, children: list) -> Any:
-    """A new ``CacheList`` like ``layer`` holding ``children`` (its scalars kept)."""
-    new = copy.copy(layer)
-    new.caches = type(layer.caches)(children) if isinstance(layer.caches, tuple) else children
-    return new
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -507,7 +499,7 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
         if type(layer) is CacheList:
             children = dequantize_entry(list(layer.caches))
             if any(a is not b for a, b in zip(children, layer.caches)):
-                out[i] = _cache_list(layer, children)
+                out[i] = with_children(layer, children)
             continue
         if type(layer) is QuantizedRotatingKVCache:
             out[i] = dequantize_rotating(layer)

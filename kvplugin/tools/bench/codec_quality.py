@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=1200, help="default 1200")
     p.add_argument("--continuation-tokens", type=int, default=200, help="default 200")
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 (default: SmolLM2-135M-Instruct, fp32) or an mlx-lm model "
-                        "directory whose layers are plain attention caches")
+                   help="smollm2 (default: SmolLM2-135M-Instruct, fp32), kv-heavy, or an "
+                        "mlx-lm model directory whose layers are plain attention caches")
     p.add_argument("--out", type=Path, default=Path("kvplugin-bench"))
     return p
 
@@ -209,16 +209,15 @@ def load_model(name: str) -> tuple[Any, Any, str]:
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    if name == "smollm2":
-        from kvplugin.tools.models.smollm2 import build_smollm2
+    from kvplugin.tools.bench.memory import resolve_model
 
-        model, tok = load(str(build_smollm2()))
-        return model, tok, "SmolLM2-135M-Instruct fp32"
-    directory = Path(name).expanduser()
+    directory = resolve_model(name)  # the memory bench's names (smollm2, kv-heavy) or a path
     if not (directory / "config.json").is_file():
         raise SystemExit(f"kvplugin bench --quality --real-model: --model {name}: not "
                          "'smollm2' nor an mlx-lm model directory (no config.json)")
     model, tok = load(str(directory))
+    if name == "smollm2":
+        return model, tok, "SmolLM2-135M-Instruct fp32"
     kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
     if kinds:
         raise SystemExit(f"kvplugin bench --quality --real-model: --model {name} has "
@@ -228,7 +227,7 @@ def load_model(name: str) -> tuple[Any, Any, str]:
 
     dtypes = sorted({str(a.dtype).removeprefix("mlx.core.") for _, a in
                      tree_flatten(model.parameters())})
-    return model, tok, f"{directory.resolve().name} ({'/'.join(dtypes)} weights)"
+    return model, tok, f"{directory.name} ({'/'.join(dtypes)} weights)"
 
 
 def main(argv: list[str] | None = None) -> int:
