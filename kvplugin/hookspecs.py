@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 PROJECT = "kvplugin"
 #: Version 2 added ``kvplugin_unconfigure``; version 3 ``kvplugin_cache_event``; version 4
 #: ``kvplugin_admit``; version 5 the ``prompt_boundaries`` argument of
-#: ``kvplugin_quantize_entry``.
-HOOK_API_VERSION = 5
+#: ``kvplugin_quantize_entry``; version 6 its ``stored_prefix`` argument.
+HOOK_API_VERSION = 6
 #: The attribute a plugin sets to the contract version it needs.
 API_VERSION_ATTR = "kvplugin_hook_api_version"
 
@@ -89,7 +89,7 @@ def kvplugin_trim_entry(cache: list) -> list | None:
 @hookspec(firstresult=True)
 def kvplugin_quantize_entry(
     cache: list, num_tokens: int, settings: KVPluginSettings,
-    prompt_boundaries: tuple[int, ...],
+    prompt_boundaries: tuple[int, ...], stored_prefix: list | None,
 ) -> list | None:
     """Quantize an entry of ``num_tokens`` tokens before it is stored.
 
@@ -99,7 +99,10 @@ def kvplugin_quantize_entry(
     ``prompt_boundaries`` (ascending, each below ``num_tokens``): where earlier prompts that
     this entry starts with ended, i.e. where a later request (a repeated or edited turn) is
     likely to reuse a prefix of it; the built-in keeps the tokens before each at full
-    precision like the entry's last ones (API version 5).
+    precision like the entry's last ones (API version 5). ``stored_prefix`` (API version
+    6): the layers of an entry the store holds for this entry's first tokens, as a codec
+    stored them, or ``None``; the built-in copies the rows it wrote with the same codec
+    rather than quantize them again (a turn then costs its new tokens, not its history).
     """
 
 

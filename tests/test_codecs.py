@@ -323,3 +323,54 @@ def test_channel_packing_round_trips_every_width(bits):
         ones = mx.ones((2, 3, 70, 1))
         read = mx.dequantize(words, ones, ones * 0, group_size=64, bits=bits)
         assert mx.array_equal(read.astype(mx.uint32), codes.astype(mx.uint32))
+
+
+def _prefix_layer(layer: KVCache, m: int) -> KVCache:
+    c = KVCache()
+    c.update_and_fetch(layer.keys[..., :m, :], layer.values[..., :m, :])
+    mx.eval(c.keys, c.values)
+    return c
+
+
+def _arrays(entry: list) -> list:
+    return [x for layer in entry for x in (*layer.keys, *layer.values)]
+
+
+@pytest.mark.parametrize("codec,bits,sink,recent", [
+    ("affine", 8, 0, 0), ("rotated", 4, 4, 16), ("rotated-channel", 4, 4, 16),
+    ("rotated-channel-sym", 3, 4, 6)])
+def test_a_stored_prefix_gives_its_rows_and_the_entry_is_what_quantizing_it_whole_gives(
+        codec, bits, sink, recent):
+    """Reusing a stored prefix's rows is only a shortcut: the stored arrays equal those of
+    quantizing the whole entry afresh (same rows, same per-channel groups; 150 tokens cut
+    the second 64-token key group), and its dequantized values too."""
+    whole = [_layer(seed) for seed in (0, 7)]
+    kw = dict(bits=bits, group_size=64, codec=codec, sink_tokens=sink, recent_tokens=recent)
+    stored = quantize_entry([_prefix_layer(c, 150) for c in whole], **kw).cache
+    afresh = quantize_entry(whole, **kw).cache
+    reused = quantize_entry(whole, stored_prefix=stored, **kw).cache
+    assert [x.shape for x in _arrays(reused)] == [x.shape for x in _arrays(afresh)]
+    for a, b in zip(_arrays(reused), _arrays(afresh)):
+        assert mx.array_equal(a, b).item()
+    for a, b in zip(dequantize_entry(reused), dequantize_entry(afresh)):
+        assert mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
+
+
+def test_only_the_new_rows_are_quantized_when_a_stored_prefix_holds_the_rest(monkeypatch):
+    """The codec's work follows the tokens a turn adds: with 290 of 300 rows stored, only
+    the values' 10 new rows and the keys' last, unfinished group of 64 are rotated; a prefix
+    stored with another codec (or bits) is not reused."""
+    rotated: list[int] = []
+    real = rotation.rotate
+    monkeypatch.setattr(rotation, "rotate", lambda x, *a: rotated.append(x.shape[-2]) or real(x, *a))
+    whole = [_layer(3)]
+    kw = dict(bits=4, group_size=64, codec="rotated-channel", sink_tokens=4, recent_tokens=16)
+    stored = quantize_entry([_prefix_layer(whole[0], 290)], **kw).cache
+    rotated.clear()
+    quantize_entry(whole, stored_prefix=stored, **kw)
+    assert rotated == [300 - 256, 10]  # keys from the group that holds row 290 on, values
+    rotated.clear()
+    other = quantize_entry([_prefix_layer(whole[0], 290)], **{**kw, "bits": 8}).cache
+    rotated.clear()
+    quantize_entry(whole, stored_prefix=other, **kw)
+    assert rotated == [300, 300]

@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvplugin import plugins
+from kvplugin.cache.lanes import lane_count
 from kvplugin.cache.quantize import dequantize_entry, quantize_entry
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.checks import host_option_conflict, model_problem
@@ -115,20 +116,26 @@ def _peak_rise(work) -> int:
     return mx.get_peak_memory() - before
 
 
-def test_a_reused_quantized_entry_is_freed_layer_by_layer_as_it_is_restored(pm):
-    """A fetch peaks at the restored copy plus a stored layer, not at both whole entries:
-    the snapshot the store keeps of a moved entry (for a concurrent request) held every
-    stored layer until the turn's own entry superseded it."""
-    s = session(pm, kv_cache_quantization=True, kv_cache_quantization_bits=8,
+def test_a_reused_quantized_entry_is_lent_as_stored_and_its_rows_copied_by_the_next_insert(
+        pm, monkeypatch):
+    """A fetch peaks at the restored copy plus one layer's codec work, not at a second copy:
+    the store lends the quantized layers it held (no bytes copied). They serve a concurrent
+    request of this thread, and the turn's own insert copies their rows, quantizing only the
+    tokens the turn added, after which they go."""
+    from kvplugin.cache import rotation
+
+    s = session(pm, kv_cache_quantization=True, kv_cache_quantization_bits=4,
                 kv_cache_min_quantize_tokens=0)
     layers, tokens = 16, 512
+    gc.collect()
+    base = mx.get_active_memory()
     assert s.insert("m", list(range(tokens)), filled(tokens, layers))
     stored = s.store.entries()[0].nbytes
     full = layers * 2 * H * tokens * D * 2  # fp16 keys and values
-    assert stored < 0.6 * full
+    assert stored < 0.35 * full  # 4-bit codes and their scales, 20 protected rows
     plan = codec_plan(s.settings)  # one layer's restore work, with the codec stored
     one_layer = _peak_rise(lambda: dequantize_entry(quantize_entry(
-        filled(tokens, 1), bits=8, group_size=64, codec=plan.codec).cache, consume=True))
+        filled(tokens, 1), bits=4, group_size=64, codec=plan.codec).cache, consume=True))
     cache, n = None, 0
 
     def fetch():
@@ -137,13 +144,49 @@ def test_a_reused_quantized_entry_is_freed_layer_by_layer_as_it_is_restored(pm):
 
     rise = _peak_rise(fetch)
     assert n == tokens and all(type(c) is KVCache for c in cache)
-    # restored layers are new memory; each stored one goes once it is replaced
-    assert rise <= full - stored + one_layer + stored // layers, (rise, full, stored, one_layer)
-    # the snapshot still serves a concurrent request of this thread, at full precision
+    # the restored copy is new memory, beside the layers in flight (kvplugin.cache.lanes)
+    assert rise <= full + lane_count() * one_layer, (rise, full, one_layer)
+    # the lent layers serve a concurrent request of this thread, restored to full precision
     again, m = s.fetch("m", list(range(tokens)) + [8])
     assert m == tokens and all(type(c) is KVCache for c in again)
     assert s.store.stats().lent_copies == 1
     assert mx.array_equal(again[3].keys[..., :tokens, :], cache[3].keys[..., :tokens, :])
+    del again
+    rotated: list[int] = []
+    real = rotation.rotate
+    monkeypatch.setattr(rotation, "rotate", lambda x, *a: rotated.append(x.shape[-2]) or real(x, *a))
+    for layer in cache:  # the turn: 8 more tokens
+        k = mx.random.normal((1, H, 8, D)).astype(mx.float16)
+        layer.update_and_fetch(k, k)
+    del layer, k
+    assert s.insert("m", list(range(tokens)) + [7] * 8, cache)
+    assert rotated == [8, 8] * layers  # keys (whole groups held) and values: the new rows
+    del cache
+    gc.collect()
+    # the host's copy and the lent entry went: what is left is the new entry
+    assert s.store.stats().entries == 1 and s.store.nbytes > stored
+    assert mx.get_active_memory() - base <= s.store.nbytes + (64 << 10)  # (MLX scalars)
+
+
+def test_an_entry_that_shares_a_stored_entrys_first_tokens_copies_their_rows(pm, monkeypatch):
+    """Not only a stored *prefix*: a conversation's next turn usually shares its previous
+    entry only up to where the reply was tokenized anew. The rows of the shared tokens are
+    copied (views of the stored entry, cut there), the rest quantized."""
+    from kvplugin.cache import rotation
+
+    s = session(pm, kv_cache_quantization=True, kv_cache_quantization_bits=4,
+                kv_cache_min_quantize_tokens=0)
+    shared, layers = 512, 4
+    first = filled(shared + 40, layers)
+    assert s.insert("m", list(range(shared)) + [1] * 40, first)
+    rotated: list[int] = []
+    real = rotation.rotate
+    monkeypatch.setattr(rotation, "rotate", lambda x, *a: rotated.append(x.shape[-2]) or real(x, *a))
+    assert s.insert("m", list(range(shared)) + [2] * 24, filled(shared + 24, layers))
+    assert rotated == [24, 24] * layers  # keys (512 is whole groups) and values
+    assert len(s.store) == 2  # the other branch stays stored, untouched
+    (old,) = [e for e in s.store.entries() if e.tokens[-1] == 1]
+    assert old.cache[0].offset == shared + 40
 
 
 def test_the_next_turn_of_a_reused_entry_is_quantized_layer_by_layer(pm):

@@ -491,6 +491,19 @@ def copy_prefix(cache: list, n: int, *, share: bool = False) -> list | None:
     return out
 
 
+def prefix_views(cache: list, n: int) -> list:
+    """Each layer's first ``n`` positions as views (no bytes copied), ``None`` for a layer
+    that cannot give them (recurrent state, a wrapped window): what a codec may copy rows
+    from, where :func:`copy_prefix` would refuse the whole entry for one such layer."""
+    out = []
+    for layer in cache:
+        try:
+            out.append(_copy_layer(layer, n, share=True))
+        except Exception:
+            out.append(None)
+    return out
+
+
 def _view(x: Any) -> Any:
     if isinstance(x, mx.array):
         return x[...]  # a new array object on the same buffer

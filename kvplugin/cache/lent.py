@@ -58,18 +58,20 @@ class Lent:
         for snap in self._snaps:
             if snap.model_key != model_key or self._thread.get(id(snap)) != me:
                 continue
-            common = 0
-            for a, b in zip(snap.tokens, key):
-                if a != b:
-                    break
-                common += 1
-            n = min(common, len(key) - 1)
+            n = min(_common(snap.tokens, key), len(key) - 1)
             whole = n == len(snap.tokens)
             if n < 1 or not (whole or can_copy_prefix(snap.cache, n)):
                 continue
             if best is None or n > best[1]:
                 best = (snap, n, whole)
         return best
+
+    def shared(self, model_key: Hashable, key: tuple) -> list[tuple[int, StoreEntry]]:
+        """``(tokens shared with key, snapshot)`` of this thread's snapshots (see
+        :meth:`best` on threads)."""
+        me = threading.get_ident()
+        return [(_common(snap.tokens, key), snap) for snap in self._snaps
+                if snap.model_key == model_key and self._thread.get(id(snap)) == me]
 
     def settle(self, model_key: Hashable, key: tuple, cache: list) -> list[StoreEntry]:
         """At an insert of ``key`` holding ``cache``: drop the snapshots it continues. Returns
@@ -90,3 +92,13 @@ class Lent:
     def clear(self) -> None:
         self._snaps.clear()
         self._forget_dropped()
+
+
+def _common(a: tuple, b: tuple) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -26,6 +26,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
+from kvplugin.cache.lanes import in_lanes
+from kvplugin.cache.model_widths import (ALLOWED_GROUP_SIZES, cache_widths, head_dim_of,
+                                         validate_group_size_for_model)
 from kvplugin.cache.layers import is_quantizable, with_children
 from kvplugin.codecs import (CODEC_ATTR, CODECS, SEED_ATTR, VALUE_BITS_ATTR, CodecPlan,
                              UnknownCodec)
@@ -51,7 +54,6 @@ __all__ = [
 ]
 
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
-ALLOWED_GROUP_SIZES = (32, 64, 128)
 DTYPE_ATTR = "kvplugin_dtype"
 # What a stored layer records about its codec (scalars: they ride along in the SSD file's
 # layer attributes, see kvplugin.cache.serialize): CODEC_ATTR, SEED_ATTR and VALUE_BITS_ATTR
@@ -101,98 +103,6 @@ def validate_bits_group(bits: int, group_size: int) -> None:
         )
 
 
-def _field(obj: Any, name: str) -> Any:
-    """An attribute, else a dict item: ``mlx.nn.Module`` *is* a dict (of its children), so
-    attributes such as ``model.args`` must be looked up first."""
-    value = getattr(obj, name, None)
-    if value is None and isinstance(obj, dict):
-        value = obj.get(name)
-    return value
-
-
-def _pos_int(x: Any) -> int | None:
-    return x if _is_int(x) and x > 0 else None
-
-
-def _configs(model: Any) -> list[Any]:
-    """The model's ``args`` (or its language model's), then their ``text_config``."""
-    args = _field(model, "args")
-    if args is None:
-        lm = _field(model, "language_model")
-        args = _field(lm, "args") if lm is not None else None
-    if args is None:
-        return []
-    text = _field(args, "text_config")
-    return [args] if text is None else [args, text]
-
-
-def head_dim_of(model: Any) -> int | None:
-    """The attention head dimension from ``model.args`` (or a nested ``text_config``).
-
-    ``head_dim`` when given, else ``hidden_size // num_attention_heads``; None when unknown
-    (then callers skip the check and :func:`quantize_entry` still checks each layer's arrays).
-    """
-    for cfg in _configs(model):
-        head_dim = _pos_int(_field(cfg, "head_dim"))
-        if head_dim:
-            return head_dim
-        hidden, heads = (
-            _pos_int(_field(cfg, "hidden_size")),
-            _pos_int(_field(cfg, "num_attention_heads")),
-        )
-        if hidden and heads and hidden % heads == 0:
-            return hidden // heads
-    return None
-
-
-def cache_widths(model: Any) -> dict[str, int] | None:
-    """Last-axis widths of what the model's attention layers put in their caches, by role.
-
-    Why not the head dimension: MLA models (DeepSeek-V2/V3, Kimi-K2) cache the compressed KV
-    latent (``kv_lora_rank`` wide) in the keys slot and the rope key (``qk_rope_head_dim``)
-    in the values slot, while ``hidden_size / num_attention_heads`` (56 for DeepSeek-V3) is
-    not a cache width at all. None when unknown (then :func:`quantize_entry` still checks
-    each layer's arrays, and skips what it cannot quantize).
-    """
-    for cfg in _configs(model):
-        latent, rope = _pos_int(_field(cfg, "kv_lora_rank")), _pos_int(_field(cfg, "qk_rope_head_dim"))
-        if latent and rope:
-            return {"keys (kv latent)": latent, "values (rope key)": rope}
-        head_dim = head_dim_of({"args": cfg})
-        if head_dim:
-            return {"keys": head_dim, "values": _pos_int(_field(cfg, "v_head_dim")) or head_dim}
-    return None
-
-
-def validate_group_size_for_model(model: Any, group_size: int) -> list[str]:
-    """Check ``group_size`` against the widths the model's cache really holds.
-
-    ``mx.quantize`` needs the group size to divide the last dimension. Raises ``ValueError``
-    only when it divides *none* of them (nothing could be stored quantized: a silent no-op
-    otherwise); returns the widths it does not divide, which stay full precision (the caller
-    says so once). Does nothing when the widths are unknown.
-    """
-    widths = cache_widths(model)
-    if not widths:
-        return []
-    left = [f"{role} {w}" for role, w in widths.items() if w % group_size]
-    if len(left) < len(widths):
-        return left
-    dims = sorted(set(widths.values()))
-    fits = [g for g in ALLOWED_GROUP_SIZES if any(d % g == 0 for d in dims)]
-    advice = (
-        "use one of: " + ", ".join(map(str, fits))
-        if fits
-        else f"none of the supported group sizes {ALLOWED_GROUP_SIZES} does, so KV cache "
-        "quantization cannot be used with this model"
-    )
-    what = "head dimension" if set(widths) == {"keys", "values"} else "cache widths"
-    raise ValueError(
-        f"group size {group_size} does not divide the model's {what} "
-        f"{'/'.join(map(str, dims))}; {advice}"
-    )
-
-
 def _boundary_ranges(boundaries: Any, width: int, low: int, high: int) -> list[tuple[int, int]]:
     """``(start, count)`` of the ``width`` tokens before each boundary, cut to ``[low, high)``
     (between the sinks and the recent rows), merged where they touch."""
@@ -221,6 +131,7 @@ def _quantize_layer(
     sink: int = 0,
     recent: int = 0,
     boundaries: Any = (),
+    stored: Any = None,
 ) -> QuantizedKVCache:
     """``bits`` are the keys' (``layer.bits``); values use ``value_bits`` (recorded when they
     differ). ``rotated`` needs power-of-two widths (``rotated-channel`` also 32 or more); a
@@ -228,12 +139,14 @@ def _quantize_layer(
     ``rotated-channel`` keys are quantized per channel in groups of ``group_size`` tokens
     (:mod:`kvplugin.cache.channel`). ``sink``/``recent`` tokens, and ``recent`` tokens before
     each of ``boundaries``, are kept at full precision besides (their quantized rows stay
-    too: exact-size arrays, simple trims)."""
+    too: exact-size arrays, simple trims). ``stored``: this layer of a stored entry that
+    holds this entry's first tokens (see :func:`_reusable_rows`)."""
     from kvplugin.cache import channel, rotation
 
     n = layer.offset
     keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
     vbits = bits if value_bits is None else value_bits
+    dtype = keys.dtype
     widths = (keys.shape[-1], values.shape[-1])
     if codec != "affine" and not all(rotation.rotatable(w) for w in widths):
         codec = "affine"
@@ -241,8 +154,15 @@ def _quantize_layer(
         codec = "rotated"
     q = QuantizedKVCache(group_size=group_size, bits=bits)
     if codec != "affine":
-        keys, values = rotation.rotate(keys), rotation.rotate(values)
         setattr(q, SEED_ATTR, rotation.CODEC_SEED)
+    reused = _reusable_rows(stored, codec, bits, vbits, group_size, keys)
+    # Rows a stored prefix of this entry already holds are copied, not quantized again: the
+    # codec's cost then follows the tokens a turn adds, not the conversation's length, and
+    # every row is quantized once, from the values the model computed.
+    key_rows = reused // group_size * group_size if codec in CHANNEL_KEYS else reused
+    keys, values = keys[..., key_rows:, :], values[..., reused:, :]
+    if codec != "affine":
+        keys, values = rotation.rotate(keys), rotation.rotate(values)
     if codec in CHANNEL_KEYS:
         q.keys = channel.quantize_channels(keys, group_size, bits)
     else:
@@ -253,6 +173,12 @@ def _quantize_layer(
         q.values = quantize_symmetric(values, group_size, vbits)
     else:
         q.values = tuple(mx.quantize(values, group_size=group_size, bits=vbits))
+    if key_rows:
+        per_group = codec in CHANNEL_KEYS  # scales/minimums: one row per group of tokens
+        q.keys = _joined(stored.keys, q.keys, key_rows, key_rows // group_size if per_group
+                         else key_rows)
+    if reused:
+        q.values = _joined(stored.values, q.values, reused, reused)
     sink = min(sink, n)
     start = max(sink, n - recent)
     between = _boundary_ranges(boundaries, recent, sink, start)
@@ -266,13 +192,57 @@ def _quantize_layer(
         if between:
             setattr(q, BOUNDARY_ATTR, ",".join(f"{a}:{c}" for a, c in between))
     q.offset = n
-    setattr(q, DTYPE_ATTR, _dtype_name(keys.dtype))
+    setattr(q, DTYPE_ATTR, _dtype_name(dtype))
     setattr(q, CODEC_ATTR, codec)
     if vbits != bits:
         setattr(q, VALUE_BITS_ATTR, vbits)
     if "step" in vars(layer):  # a configured growth step keeps applying after reuse
         q.step = layer.step
     return q
+
+
+def _reusable_rows(stored: Any, codec: str, bits: int, vbits: int, group_size: int,
+                   keys: mx.array) -> int:
+    """How many leading rows of ``stored`` (a layer of a stored entry whose tokens begin this
+    entry's) can be copied as they are: its ``offset`` when it was written with exactly this
+    codec, widths, dtype and head layout, else 0 (quantized afresh). Why it is safe: a plain
+    layer's row ``i`` is token ``i``'s key and value, which depend on the tokens before it
+    only, and every codec here quantizes a row (per-channel keys: a group of rows) on its
+    own, so the stored codes are those of this entry's first rows."""
+    if type(stored) is not QuantizedKVCache or stored.keys is None:
+        return 0
+    m = stored.offset
+    same = (getattr(stored, CODEC_ATTR, "affine") == codec and stored.bits == bits
+            and stored.group_size == group_size
+            and getattr(stored, VALUE_BITS_ATTR, bits) == vbits
+            and getattr(stored, DTYPE_ATTR, None) == _dtype_name(keys.dtype)
+            and (codec == "affine" or getattr(stored, SEED_ATTR, None) == _rotation_seed()))
+    if not same or not 0 < m <= keys.shape[-2]:
+        return 0
+    try:
+        _codec_of(stored)
+    except UnknownCodec:
+        return 0
+    lead = keys.shape[:-2]
+    held = min(x.shape[-2] for x in (stored.keys[0], stored.values[0]))
+    if held < m or any(x.shape[:-2] != lead for x in (stored.keys[0], stored.values[0])):
+        return 0
+    return m
+
+
+def _rotation_seed() -> int:
+    from kvplugin.cache.rotation import CODEC_SEED
+
+    return CODEC_SEED
+
+
+def _joined(stored: Any, fresh: tuple, rows: int, scale_rows: int) -> tuple:
+    """The codec's arrays: ``stored``'s first rows (codes: ``rows``, scales and minimums:
+    ``scale_rows``), then ``fresh``'s."""
+    if any(a.shape[-1] != b.shape[-1] for a, b in zip(stored, fresh)):
+        raise ValueError("a stored prefix of another width")  # _reusable_rows rules it out
+    return tuple(mx.concatenate([a[..., : (rows if i == 0 else scale_rows), :], b], axis=-2)
+                 for i, (a, b) in enumerate(zip(stored, fresh)))
 
 
 def quantize_entry(
@@ -286,6 +256,7 @@ def quantize_entry(
     sink_tokens: int = 0,
     recent_tokens: int = 0,
     prompt_boundaries: Any = (),
+    stored_prefix: list | None = None,
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
@@ -299,6 +270,10 @@ def quantize_entry(
     full-precision entry is freed layer by layer (transient: one layer, not one entry).
     ``prompt_boundaries``: token counts where earlier prompts ended; the ``recent_tokens``
     before each are kept at full precision too (plain layers; a window holds no history).
+    ``stored_prefix``: a stored entry (as this codec stored it) of this entry's first
+    tokens, the same model's layers in the same order; the rows it holds are copied rather
+    than quantized again wherever it was stored with this very codec (plain layers). With
+    ``consume`` each of its layers is dropped from that list once used.
     """
     validate_bits_group(bits, group_size)
     if value_bits is not None:
@@ -309,28 +284,41 @@ def quantize_entry(
     quantized = skipped = 0
     from kvplugin.cache.quantize_rotating import is_rotating_quantizable, quantize_rotating
 
-    for i, layer in enumerate(cache):
+    donors = (stored_prefix if stored_prefix is not None
+              and len(stored_prefix) == len(cache) else [None] * len(cache))
+    def one(item: tuple[int, Any]) -> tuple[int, Any]:
+        i, layer = item
         if type(layer) is CacheList:  # nested (Falcon-H1: state + attention): its K/V children
-            inner = quantize_entry(list(layer.caches), bits=bits, group_size=group_size,
-                                   codec=codec, value_bits=value_bits,
-                                   sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                                   prompt_boundaries=prompt_boundaries)
-            skipped += inner.skipped
-            if inner.quantized:
-                out[i] = with_children(layer, inner.cache)
-                quantized += 1
-            continue
+            kids = getattr(donors[i], "caches", None)
+            return i, quantize_entry(list(layer.caches), bits=bits, group_size=group_size,
+                                     codec=codec, value_bits=value_bits,
+                                     sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                                     prompt_boundaries=prompt_boundaries,
+                                     stored_prefix=None if kids is None else list(kids))
         if is_quantizable(layer, group_size):
-            q = _quantize_layer(layer, bits, group_size, codec, value_bits, sink_tokens,
-                                recent_tokens, prompt_boundaries)
-        elif is_rotating_quantizable(layer, group_size):
-            q = quantize_rotating(layer, bits, group_size, codec)  # key bits: windows are short
-        else:
+            return i, _quantize_layer(layer, bits, group_size, codec, value_bits, sink_tokens,
+                                      recent_tokens, prompt_boundaries, donors[i])
+        if is_rotating_quantizable(layer, group_size):  # key bits: windows are short
+            return i, quantize_rotating(layer, bits, group_size, codec)
+        return i, None
+
+    def made(result: tuple[int, Any]) -> list:
+        q = result[1]
+        return [] if q is None or isinstance(q, QuantizeResult) else list(q.keys + q.values)
+
+    for i, q in in_lanes(enumerate(cache), one, made):
+        if consume:
+            donors[i] = None  # its rows are copied: a layer nothing else holds goes now
+        if isinstance(q, QuantizeResult):  # a CacheList's children
+            skipped += q.skipped
+            if q.quantized:
+                out[i] = with_children(cache[i], q.cache)
+                quantized += 1
+        elif q is None:
             skipped += 1
-            continue
-        mx.eval(q.keys + q.values)
-        out[i] = q
-        quantized += 1
+        else:
+            out[i] = q
+            quantized += 1
     return QuantizeResult(cache=out, quantized=quantized, skipped=skipped)
 
 
@@ -483,11 +471,7 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
     Raises :class:`UnknownCodec` (before changing anything) when a layer records a codec this
     version does not know: the caller treats the entry as a miss.
     """
-    from kvplugin.cache.quantize_rotating import (
-        QuantizedRotatingKVCache,
-        dequantize_rotating,
-        rotating_codec,
-    )
+    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, rotating_codec
 
     for layer in cache:
         if type(layer) is QuantizedKVCache:
@@ -495,37 +479,48 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
         elif type(layer) is QuantizedRotatingKVCache:
             rotating_codec(layer)
     out = cache if consume else list(cache)
-    for i, layer in enumerate(cache):
-        if type(layer) is CacheList:
-            children = dequantize_entry(list(layer.caches))
-            if any(a is not b for a, b in zip(children, layer.caches)):
-                out[i] = with_children(layer, children)
-            continue
-        if type(layer) is QuantizedRotatingKVCache:
-            out[i] = dequantize_rotating(layer)
-            continue
-        if type(layer) is not QuantizedKVCache:
-            continue
-        kv = KVCache()
-        if "step" in vars(layer):
-            kv.step = layer.step
-        codec, seed = _codec_of(layer)
-        if layer.keys is not None and layer.offset > 0:
-            n, dtype = layer.offset, _original_dtype(layer)
-            vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
-            kv.keys, kv.values = _dequantize_codec(layer, codec, n, vbits, dtype)
-            if codec != "affine":
-                from kvplugin.cache.rotation import unrotate
-
-                kv.keys, kv.values = unrotate(kv.keys, seed), unrotate(kv.values, seed)
-            for name in ("keys", "values"):
-                arrays = getattr(layer, name)
-                kept = arrays[-1] if len(arrays) > codec_arrays(codec, name) else None
-                setattr(kv, name, _restore_protected(getattr(kv, name), kept, layer, n))
-            kv.offset = n
-            mx.eval(kv.keys, kv.values)
-        out[i] = kv
+    for i, layer in in_lanes(enumerate(cache), _dequantize_one, _restored_arrays):
+        out[i] = layer
     return out
+
+
+def _restored_arrays(result: tuple[int, Any]) -> list:
+    layer = result[1]
+    return [x for x in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if isinstance(x, mx.array)]
+
+
+def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
+    """One layer of :func:`dequantize_entry` (left unevaluated: the caller evaluates)."""
+    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, dequantize_rotating
+
+    i, layer = item
+    if type(layer) is CacheList:
+        children = dequantize_entry(list(layer.caches))
+        changed = any(a is not b for a, b in zip(children, layer.caches))
+        return i, with_children(layer, children) if changed else layer
+    if type(layer) is QuantizedRotatingKVCache:
+        return i, dequantize_rotating(layer)
+    if type(layer) is not QuantizedKVCache:
+        return i, layer
+    kv = KVCache()
+    if "step" in vars(layer):
+        kv.step = layer.step
+    codec, seed = _codec_of(layer)
+    if layer.keys is not None and layer.offset > 0:
+        n, dtype = layer.offset, _original_dtype(layer)
+        vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
+        kv.keys, kv.values = _dequantize_codec(layer, codec, n, vbits, dtype)
+        if codec != "affine":
+            from kvplugin.cache.rotation import unrotate
+
+            kv.keys, kv.values = unrotate(kv.keys, seed), unrotate(kv.values, seed)
+        for name in ("keys", "values"):
+            arrays = getattr(layer, name)
+            kept = arrays[-1] if len(arrays) > codec_arrays(codec, name) else None
+            setattr(kv, name, _restore_protected(getattr(kv, name), kept, layer, n))
+        kv.offset = n
+    return i, kv
 
 
 def attention_roundtrip_error(

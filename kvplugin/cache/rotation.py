@@ -13,6 +13,7 @@ entry written by one process is read back correctly by another.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import mlx.core as mx
@@ -29,13 +30,17 @@ def rotatable(width: int) -> bool:
 
 
 @lru_cache(maxsize=16)
-def _matrix(width: int, seed: int) -> np.ndarray:
+def _signs(width: int, seed: int) -> np.ndarray:
     if not rotatable(width):
         raise ValueError(f"the rotated codec needs a power-of-two width, got {width}")
+    return np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), size=width)
+
+
+def _matrix(width: int, seed: int) -> np.ndarray:
+    signs = _signs(width, seed)
     h = np.ones((1, 1), dtype=np.float32)
     while h.shape[0] < width:
         h = np.block([[h, h], [h, -h]])
-    signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), size=width)
     return (signs[:, None] * h / np.sqrt(width)).astype(np.float32)  # diag(s) @ H, orthogonal
 
 
@@ -44,13 +49,22 @@ def rotation(width: int, seed: int = CODEC_SEED) -> mx.array:
     return mx.array(_matrix(width, seed))
 
 
+# Applied as MLX's fast Walsh-Hadamard transform (``H`` is symmetric, Sylvester-ordered
+# like ``_matrix``'s): ``x @ R = hadamard(x * s)``, ``x @ R.T = hadamard(x) * s``. Why not
+# the matmul: on the CPU two layers' codec work runs at once (kvplugin.cache.lanes), and
+# BLAS calls from two threads take turns while this kernel does not (measured, 30 layers of
+# 2,109 tokens: 57 against 76 ms). Same transform, rounding within 2e-6.
 def rotate(x: mx.array, seed: int = CODEC_SEED) -> mx.array:
     """``x @ R`` along the last axis, computed in fp32, returned in ``x``'s dtype."""
-    r = rotation(x.shape[-1], seed)
-    return (x.astype(mx.float32) @ r).astype(x.dtype)
+    width = x.shape[-1]
+    signs = mx.array(_signs(width, seed))
+    return mx.hadamard_transform(x.astype(mx.float32) * signs,
+                                 scale=1 / math.sqrt(width)).astype(x.dtype)
 
 
 def unrotate(x: mx.array, seed: int = CODEC_SEED, dtype=None) -> mx.array:
     """Inverse of :func:`rotate`: ``x @ R.T``."""
-    r = rotation(x.shape[-1], seed)
-    return (x.astype(mx.float32) @ r.T).astype(dtype or x.dtype)
+    width = x.shape[-1]
+    signs = mx.array(_signs(width, seed))
+    out = mx.hadamard_transform(x.astype(mx.float32), scale=1 / math.sqrt(width)) * signs
+    return out.astype(dtype or x.dtype)

@@ -167,9 +167,11 @@ class KVService:
 
     # -- storing ----------------------------------------------------------------------------
     def prepare_entry(self, cache: list, num_tokens: int,
-                      tokens: Sequence[int] | None = None) -> list:
+                      tokens: Sequence[int] | None = None, *,
+                      stored_prefix: list | None = None) -> list:
         """Trim and (per settings) quantize an entry before it is stored; ``tokens`` (what it
-        holds) tell the codec where earlier prompts ended (:mod:`kvplugin.cache.prompts`)."""
+        holds) tell the codec where earlier prompts ended (:mod:`kvplugin.cache.prompts`),
+        ``stored_prefix`` (:meth:`PromptStore.stored_prefix`) which rows it quantized already."""
         before = entry_nbytes(cache)
         trimmed = self.hook.kvplugin_trim_entry(cache=cache)
         entry = cache if trimmed is None else trimmed
@@ -179,6 +181,7 @@ class KVService:
             quantized = self.hook.kvplugin_quantize_entry(
                 cache=entry, num_tokens=num_tokens, settings=self.settings,
                 prompt_boundaries=self._recent_prompts.boundaries(tokens or ()),
+                stored_prefix=stored_prefix,
             )
         if quantized is not None:
             entry = quantized
@@ -199,10 +202,19 @@ class KVService:
                 self.counters.entries_quantized += 1
         return entry
 
+    def stored_prefix(self, model_key: str, tokens: Sequence[int]) -> list | None:
+        """What :meth:`prepare_entry`'s codec may copy rows from (None when nothing is
+        quantized): call it before the entry's lent snapshot is settled."""
+        if not self.settings.kv_cache_quantization:
+            return None
+        return self.store.stored_prefix(model_key, tokens)
+
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
+        donor = self.stored_prefix(model_key, tokens)
         self.store.settle_lent(model_key, tokens, cache)  # so its layers go as they are cut
-        entry = self.prepare_entry(cache, len(tokens), tokens)
+        entry = self.prepare_entry(cache, len(tokens), tokens, stored_prefix=donor)
+        donor = None  # the rows it lent are copied: let the superseded entry go at the insert
         if entry is not cache:
             # The host may keep its list object a while (mlx-lm's loop holds the last
             # response): drop its references now so a replaced full-precision original is
@@ -321,7 +333,7 @@ class KVService:
         def restore(cache: list) -> list:  # the store lends a moved entry once restored
             nonlocal dequantized
             quantized = sum(layer_bits(layer) is not None for layer in cache)
-            restored = self.restore_precision(cache)  # may change `cache` in place
+            restored = self.restore_precision(cache)  # may change `cache` (a copy) in place
             dequantized = sum(layer_bits(layer) is not None for layer in restored) < quantized
             return restored
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 @hookimpl(trylast=True)
 def kvplugin_quantize_entry(
     cache: list, num_tokens: int, settings: KVPluginSettings,
-    prompt_boundaries: tuple[int, ...] = (),
+    prompt_boundaries: tuple[int, ...] = (), stored_prefix: list | None = None,
 ) -> list | None:
     from kvplugin.cache import quantize
 
@@ -32,6 +32,7 @@ def kvplugin_quantize_entry(
         recent_tokens=plan.recent_tokens,
         group_size=plan.group_size,
         prompt_boundaries=prompt_boundaries,
+        stored_prefix=stored_prefix,
         consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None

@@ -231,7 +231,9 @@ class KVPrefixCache:
             held = len(tokens) if held is None else held  # recurrent state: the host's key
             if held > len(tokens) or held < self._min_tokens:
                 return None
-            entry = self._service.prepare_entry(list(cache), held, tokens[:held])
+            donor = self._service.stored_prefix(self._key, tokens[:held])
+            entry = self._service.prepare_entry(list(cache), held, tokens[:held],
+                                                stored_prefix=donor)
             entry = detach_shared_layers(entry, cache, self._host_memory_cache)
             return (tuple(tokens[:held]), entry)
         except Exception as exc:
