@@ -470,10 +470,11 @@ class PromptStore:
 
         A moved entry is lent (see *Contention*) once restored. A dequantized one lends the
         quantized layers it was stored as (``restore`` gets a copy of the list, so they are
-        not consumed): they stay beside the host's copy until the turn's own insert
-        continues them, 0.28x (4-bit) to 0.53x (8-bit) of the entry for one turn, and that
-        insert's codec copies their rows instead of quantizing the whole conversation again
-        (:meth:`stored_prefix`; measured on SmolLM2, two of a warm turn's three codec passes).
+        not consumed): they stay beside the host's copy until the turn's first insert
+        continues them, 0.28x (4-bit) to 0.53x (8-bit) of the entry, and that insert's codec
+        copies their rows instead of quantizing the whole conversation again, dropping each
+        layer once copied (:meth:`stored_prefix`; measured on SmolLM2: two of a warm turn's
+        three whole-entry codec passes gone, and a lower process peak, docs/benchmarks.md).
         """
         me = threading.get_ident()
         self._moving.pop(me, None)
