@@ -146,7 +146,6 @@ def _quantize_layer(
     n = layer.offset
     keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
     vbits = bits if value_bits is None else value_bits
-    dtype = keys.dtype
     widths = (keys.shape[-1], values.shape[-1])
     if codec != "affine" and not all(rotation.rotatable(w) for w in widths):
         codec = "affine"
@@ -155,7 +154,7 @@ def _quantize_layer(
     q = QuantizedKVCache(group_size=group_size, bits=bits)
     if codec != "affine":
         setattr(q, SEED_ATTR, rotation.CODEC_SEED)
-    reused = _reusable_rows(stored, codec, bits, vbits, group_size, keys)
+    reused = _reusable_rows(stored, codec, bits, vbits, group_size, keys, values)
     # Rows a stored prefix of this entry already holds are copied, not quantized again: the
     # codec's cost then follows the tokens a turn adds, not the conversation's length, and
     # every row is quantized once, from the values the model computed.
@@ -192,7 +191,7 @@ def _quantize_layer(
         if between:
             setattr(q, BOUNDARY_ATTR, ",".join(f"{a}:{c}" for a, c in between))
     q.offset = n
-    setattr(q, DTYPE_ATTR, _dtype_name(dtype))
+    setattr(q, DTYPE_ATTR, _dtype_name(keys.dtype))
     setattr(q, CODEC_ATTR, codec)
     if vbits != bits:
         setattr(q, VALUE_BITS_ATTR, vbits)
@@ -202,13 +201,15 @@ def _quantize_layer(
 
 
 def _reusable_rows(stored: Any, codec: str, bits: int, vbits: int, group_size: int,
-                   keys: mx.array) -> int:
+                   keys: mx.array, values: mx.array) -> int:
     """How many leading rows of ``stored`` (a layer of a stored entry whose tokens begin this
     entry's) can be copied as they are: its ``offset`` when it was written with exactly this
     codec, widths, dtype and head layout, else 0 (quantized afresh). Why it is safe: a plain
     layer's row ``i`` is token ``i``'s key and value, which depend on the tokens before it
     only, and every codec here quantizes a row (per-channel keys: a group of rows) on its
     own, so the stored codes are those of this entry's first rows."""
+    from kvplugin.cache.rotation import CODEC_SEED
+
     if type(stored) is not QuantizedKVCache or stored.keys is None:
         return 0
     m = stored.offset
@@ -216,31 +217,24 @@ def _reusable_rows(stored: Any, codec: str, bits: int, vbits: int, group_size: i
             and stored.group_size == group_size
             and getattr(stored, VALUE_BITS_ATTR, bits) == vbits
             and getattr(stored, DTYPE_ATTR, None) == _dtype_name(keys.dtype)
-            and (codec == "affine" or getattr(stored, SEED_ATTR, None) == _rotation_seed()))
+            and (codec == "affine" or getattr(stored, SEED_ATTR, None) == CODEC_SEED))
     if not same or not 0 < m <= keys.shape[-2]:
         return 0
     try:
         _codec_of(stored)
     except UnknownCodec:
         return 0
-    lead = keys.shape[:-2]
-    held = min(x.shape[-2] for x in (stored.keys[0], stored.values[0]))
-    if held < m or any(x.shape[:-2] != lead for x in (stored.keys[0], stored.values[0])):
+    codes = (stored.keys[0], stored.values[0])  # packed: width * bits / 32 words a row
+    if (min(x.shape[-2] for x in codes) < m or any(x.shape[:-2] != keys.shape[:-2] for x in codes)
+            or codes[0].shape[-1] * 32 != keys.shape[-1] * bits
+            or codes[1].shape[-1] * 32 != values.shape[-1] * vbits):
         return 0
     return m
 
 
-def _rotation_seed() -> int:
-    from kvplugin.cache.rotation import CODEC_SEED
-
-    return CODEC_SEED
-
-
 def _joined(stored: Any, fresh: tuple, rows: int, scale_rows: int) -> tuple:
     """The codec's arrays: ``stored``'s first rows (codes: ``rows``, scales and minimums:
-    ``scale_rows``), then ``fresh``'s."""
-    if any(a.shape[-1] != b.shape[-1] for a, b in zip(stored, fresh)):
-        raise ValueError("a stored prefix of another width")  # _reusable_rows rules it out
+    ``scale_rows``), then ``fresh``'s (:func:`_reusable_rows` checked their widths)."""
     return tuple(mx.concatenate([a[..., : (rows if i == 0 else scale_rows), :], b], axis=-2)
                  for i, (a, b) in enumerate(zip(stored, fresh)))
 
