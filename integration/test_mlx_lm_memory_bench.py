@@ -33,3 +33,20 @@ def test_memory_bench_measures_stock_and_kvplugin(tiny_model, tmp_path):
         assert len(run["turns"]) == 3 and all(t["ttft_s"] > 0 for t in run["turns"])
     for key in ("fp16", "4bit"):
         assert data[key]["summary"]["tokens_reused"] >= data["stock"]["summary"]["tokens_reused"] > 0
+
+
+def test_the_trace_marks_a_spill_to_the_ssd_tier_after_its_eviction(tiny_model, tmp_path):
+    """One entry kept in memory (mlx-lm's own --prompt-cache-size 1) and an SSD tier: the
+    conversation's first entry evicts the warm-up request's, which goes to disk; the traced
+    real server marks both moments, in that order, with the memory read at each."""
+    run = memory.run_one(tiny_model, memory.CONFIGS["fp16"], "fp16", "word " * 200, turns=2,
+                         max_tokens=4, prefill_step=256, workdir=tmp_path,
+                         host_args=["--ssd-cache-dir", str(tmp_path / "ssd"),
+                                    "--prompt-cache-size", "1"])
+    events = [e for e in run.trace if e["kind"] == "event"]
+    names = [e["name"] for e in events]
+    assert "spill" in names, names
+    spill = names.index("spill")
+    assert names[spill - 1] == "evict" and events[spill]["tokens"] == events[spill - 1]["tokens"]
+    assert events[spill]["hwm"] > 0 and events[spill]["nbytes"] > 0
+    assert any((tmp_path / "ssd").rglob("*.safetensors"))

@@ -136,7 +136,8 @@ def kvplugin_on_evict(entry: StoreEntry, settings: KVPluginSettings) -> None:
 def kvplugin_cache_event(event: str, tokens: int, nbytes: int) -> None:
     """Observe one cache event as it happens: ``fetch`` (a hit: ``tokens`` reused),
     ``miss``, ``dequantize``, ``trim``, ``quantize``, ``store`` (``nbytes`` stored),
-    ``evict``. Results are ignored.
+    ``evict``, ``spill`` (an entry the cold tier accepted: ``nbytes`` it held in memory).
+    Results are ignored.
 
     Why: memory across a reuse is decided by what happens at these moments, so a tracer
     (``python -m kvplugin.tools.memtrace``) or a metrics plugin reads memory right here,

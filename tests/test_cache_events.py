@@ -73,3 +73,19 @@ def test_eviction_is_an_event():
     svc.insert("m", list(range(100, 120)), entry(20))
     evicted = [e for e in ev.seen if e[0] == "evict"]
     assert [e[1] for e in evicted] == [10] and evicted[0][2] > 0
+
+
+def test_a_spill_to_the_cold_tier_is_an_event_after_its_eviction(tmp_path):
+    pm = create_plugin_manager(load_entry_points=False)
+    ev = Events()
+    pm.register(ev)
+    settings = resolve_settings({"ssd_cache_dir": str(tmp_path)})
+    svc = KVService(settings, host="test", hook=pm.hook, max_entries=1)
+    first = entry(10)
+    svc.insert("m", list(range(10)), first)
+    svc.insert("m", list(range(100, 120)), entry(20))
+    after = [e for e in ev.seen if e[0] in ("evict", "spill")]
+    assert [e[:2] for e in after] == [("evict", 10), ("spill", 10)]
+    assert after[1][2] == after[0][2] > 0  # the bytes that left memory
+    assert svc.store.stats().spills == 1
+    svc.close()

@@ -124,6 +124,7 @@ class KVService:
             cold=cold,
             on_evict=self._on_evict,
             after_evictions=self.release_memory,
+            on_spill=lambda tokens, cache: self._event("spill", len(tokens), cache),
         )
         self.admission = AdmissionControl(settings, self.store, hook)
 

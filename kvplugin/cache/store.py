@@ -206,6 +206,8 @@ class PromptStore:
     the lock, before the spill; exceptions are logged and ignored).
     ``after_evictions``: called once after a batch of evictions has been disposed of (the
     session hands the freed memory back to the system there).
+    ``on_spill``: observer called with ``(tokens, cache)`` of each entry the cold tier
+    accepted (evicted, oversized or flushed; outside the lock; exceptions logged, ignored).
     """
 
     def __init__(
@@ -216,6 +218,7 @@ class PromptStore:
         cold: ColdTier | None = None,
         on_evict: Callable[[StoreEntry], None] | None = None,
         after_evictions: Callable[[], None] | None = None,
+        on_spill: Callable[[Sequence[int], list], None] | None = None,
     ):
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
@@ -226,6 +229,7 @@ class PromptStore:
         self.cold = cold
         self.on_evict = on_evict
         self.after_evictions = after_evictions
+        self.on_spill = on_spill
         self._lock = threading.RLock()
         self._index = KeyIndex(size=lambda e: e.nbytes)  # (model_key, tokens) -> StoreEntry
         self._owner: dict[int, StoreEntry] = {}  # id(first layer) -> entry holding it
@@ -329,10 +333,16 @@ class PromptStore:
 
     def _cold_put(self, model_key, key, cache) -> bool:
         try:
-            return bool(self.cold.put(model_key, key, cache))
+            ok = bool(self.cold.put(model_key, key, cache))
         except Exception:
             log.exception("kvplugin: cold tier put failed")
             return False
+        if ok and self.on_spill is not None:
+            try:
+                self.on_spill(key, cache)
+            except Exception:
+                log.exception("kvplugin: on_spill hook failed")
+        return ok
 
     def _plan(self, model_key, key):
         return self._index.choose(
