@@ -34,11 +34,13 @@ def entry(n: int, slack: int = 44) -> list:
     return out
 
 
-def make(**flags):
+def make(store: dict | None = None, **flags):
+    """A session with an :class:`Events` observer; ``store``: KVService's store limits."""
     pm = create_plugin_manager(load_entry_points=False)
     ev = Events()
     pm.register(ev)
-    return KVService(resolve_settings(flags), host="test", hook=pm.hook, max_bytes=1 << 40), ev, pm
+    limits = {"max_bytes": 1 << 40, **(store or {})}
+    return KVService(resolve_settings(flags), host="test", hook=pm.hook, **limits), ev, pm
 
 
 def test_direct_call_reaches_every_implementation():
@@ -65,10 +67,7 @@ def test_session_fires_events_in_order_with_sizes():
 
 
 def test_eviction_is_an_event():
-    pm = create_plugin_manager(load_entry_points=False)
-    ev = Events()
-    pm.register(ev)
-    svc = KVService(resolve_settings(), host="test", hook=pm.hook, max_entries=1)
+    svc, ev, _ = make({"max_entries": 1})
     svc.insert("m", list(range(10)), entry(10))
     svc.insert("m", list(range(100, 120)), entry(20))
     evicted = [e for e in ev.seen if e[0] == "evict"]
@@ -76,13 +75,8 @@ def test_eviction_is_an_event():
 
 
 def test_a_spill_to_the_cold_tier_is_an_event_after_its_eviction(tmp_path):
-    pm = create_plugin_manager(load_entry_points=False)
-    ev = Events()
-    pm.register(ev)
-    settings = resolve_settings({"ssd_cache_dir": str(tmp_path)})
-    svc = KVService(settings, host="test", hook=pm.hook, max_entries=1)
-    first = entry(10)
-    svc.insert("m", list(range(10)), first)
+    svc, ev, _ = make({"max_entries": 1}, ssd_cache_dir=str(tmp_path))
+    svc.insert("m", list(range(10)), entry(10))
     svc.insert("m", list(range(100, 120)), entry(20))
     after = [e for e in ev.seen if e[0] in ("evict", "spill")]
     assert [e[:2] for e in after] == [("evict", 10), ("spill", 10)]
