@@ -4,8 +4,10 @@ Why: quantizing or dequantizing an entry is a few elementwise passes over every 
 MLX's CPU backend runs each stream's operations on one thread. The request waits for this
 work (a hit is dequantized before its prefill), so on the CPU kvplugin gives each of two
 layers its own stream and evaluates them together: measured on this project's 2-core CI
-machine, a 4-bit SmolLM2 entry of 2,100 tokens dequantizes in about half the time. On a GPU
-one kernel already fills the device: one lane, the default stream, as before.
+machine, a 4-bit SmolLM2 entry of 2,100 tokens dequantizes in about half the time (a restore
+on the CPU now runs in numpy instead where it can, kvplugin.cache.cpu_restore; quantizing
+and 3-, 5- and 6-bit restores still come here). On a GPU one kernel already fills the
+device: one lane, the default stream, as before.
 
 The transient stays bounded: a lane's layer is evaluated (and, with ``consume``, replaces
 the original) before the next pair is made, so at most two layers are in flight.

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
+from kvplugin.cache.cpu_restore import restore_layer, restores_here
 from kvplugin.cache.lanes import in_lanes
 from kvplugin.cache.model_widths import (ALLOWED_GROUP_SIZES, cache_widths, head_dim_of,
                                          validate_group_size_for_model)
@@ -464,6 +465,10 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
 
     Raises :class:`UnknownCodec` (before changing anything) when a layer records a codec this
     version does not know: the caller treats the entry as a miss.
+
+    With MLX on the CPU, plain layers of a rotated codec with 2-, 4- or 8-bit codes restore
+    in numpy (:mod:`kvplugin.cache.cpu_restore`, about twice as fast there); elsewhere MLX's
+    kernels.
     """
     from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, rotating_codec
 
@@ -504,15 +509,18 @@ def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
     if layer.keys is not None and layer.offset > 0:
         n, dtype = layer.offset, _original_dtype(layer)
         vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
-        kv.keys, kv.values = _dequantize_codec(layer, codec, n, vbits, dtype)
-        if codec != "affine":
-            from kvplugin.cache.rotation import unrotate
+        kept = [arrays[-1] if len(arrays) > codec_arrays(codec, name) else None
+                for name, arrays in (("keys", layer.keys), ("values", layer.values))]
+        if restores_here(codec, layer.bits, vbits):
+            kv.keys, kv.values = restore_layer(layer, codec, seed, n, vbits, kept, dtype)
+        else:
+            kv.keys, kv.values = _dequantize_codec(layer, codec, n, vbits, dtype)
+            if codec != "affine":
+                from kvplugin.cache.rotation import unrotate
 
-            kv.keys, kv.values = unrotate(kv.keys, seed), unrotate(kv.values, seed)
-        for name in ("keys", "values"):
-            arrays = getattr(layer, name)
-            kept = arrays[-1] if len(arrays) > codec_arrays(codec, name) else None
-            setattr(kv, name, _restore_protected(getattr(kv, name), kept, layer, n))
+                kv.keys, kv.values = unrotate(kv.keys, seed), unrotate(kv.values, seed)
+            kv.keys, kv.values = (_restore_protected(x, rows, layer, n)
+                                  for x, rows in zip((kv.keys, kv.values), kept))
         kv.offset = n
     return i, kv
 

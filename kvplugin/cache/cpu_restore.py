@@ -1,0 +1,137 @@
+"""Restoring a quantized layer with numpy when MLX runs on the CPU.
+
+Why: a hit on a quantized entry is restored before its prefill, so the restore is part of the
+warm turn's time to first token. On MLX's CPU backend each step of it (unpack the codes,
+scale them, rotate them back) is a separate MLX kernel, and those are slow there: on this
+project's 2-core x86 machine an elementwise pass over 48 MiB takes ~30 ms in MLX against
+~11 ms in numpy, and MLX's Hadamard transform is a scalar loop where numpy's bundled OpenBLAS
+does the same rotation as one GEMM. Measured on a 4-bit ``rotated-channel`` SmolLM2 entry of
+2,109 tokens (30 layers): 171-180 ms with MLX's kernels in two lanes, 93-101 ms here; on a
+real server, the KV-heavy model's 4-bit warm turns, interleaved runs: the fetch's span
+145-248 against 224-264 ms, warm TTFT median 853 against 956 ms (docs/benchmarks.md, "The
+restore on the CPU"). On a GPU MLX's kernels stay in charge (:mod:`kvplugin.cache.quantize`):
+there the whole restore is a few Metal kernels.
+
+Same arithmetic as the MLX path (fp32 ``codes * scale + minimum``, the rotation's transpose),
+so a layer restores to within float rounding of it (a test holds them within two ulps). Code
+widths that do not fill whole bytes (3, 5, 6 bits) and ``affine`` keep the MLX path.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["restores_here", "restore_layer"]
+
+
+def restores_here(codec: str, key_bits: int, value_bits: int) -> bool:
+    """This path takes the layer: MLX on the CPU, a rotated codec, codes that fill bytes.
+
+    ``affine`` (the 8-bit default) stays with MLX: its restore is one fused
+    ``mx.dequantize`` kernel, and on a real server the numpy path measured no faster for it
+    (the fetch's span 118-154 against 113-132 ms on the KV-heavy model: the copy into MLX
+    and fresh pages cost what numpy's faster passes save). The gain is the rotation."""
+    return (mx.default_device() == mx.cpu and codec != "affine"
+            and all(b in (2, 4, 8) for b in (key_bits, value_bits)))
+
+
+def _f32(x: mx.array) -> np.ndarray:
+    """An MLX array as fp32 numpy (numpy has no bfloat16, so narrower dtypes go via MLX)."""
+    return np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
+
+
+def _codes(words: mx.array, n: int, bits: int) -> np.ndarray:
+    """``(..., n', W)`` uint32 words (``pack_codes``' / ``mx.quantize``'s layout: code ``j``
+    at bit ``j * bits``, little-endian) -> the first ``n`` rows' codes as ``(..., n, W*32/bits)``
+    uint8."""
+    octets = np.ascontiguousarray(np.asarray(words)[..., :n, :]).view(np.uint8)
+    per = 8 // bits
+    if per == 1:
+        return octets
+    codes = np.empty(octets.shape[:-1] + (octets.shape[-1] * per,), np.uint8)
+    mask = (1 << bits) - 1
+    for i in range(per):
+        np.bitwise_and(np.right_shift(octets, i * bits), mask, out=codes[..., i::per])
+    return codes
+
+
+def _per_token(parts: Any, n: int, group: int, bits: int) -> np.ndarray:
+    """``mx.quantize``'s affine layout: a scale and a minimum per ``group`` values of a row."""
+    codes = _codes(parts[0], n, bits)
+    *lead, width = codes.shape
+    out = codes.astype(np.float32).reshape(*lead, width // group, group)
+    out *= _f32(parts[1])[..., :n, :, None]
+    out += _f32(parts[2])[..., :n, :, None]
+    return out.reshape(*lead, width)
+
+
+def _per_channel(parts: Any, n: int, group: int, bits: int) -> np.ndarray:
+    """Keys per channel (:mod:`kvplugin.cache.channel`): a scale and a minimum per channel of
+    every ``group`` tokens."""
+    codes = _codes(parts[0], n, bits)
+    *lead, _, width = codes.shape
+    rows = -(-n // group)
+    out = np.empty((*lead, rows * group, width), np.float32)
+    out[..., :n, :] = codes
+    out[..., n:, :] = 0  # the last group's padding: scaled with it, then dropped
+    grouped = out.reshape(*lead, rows, group, width)
+    grouped *= _f32(parts[1])[..., :rows, None, :]
+    grouped += _f32(parts[2])[..., :rows, None, :]
+    return out[..., :n, :]
+
+
+def _symmetric(parts: Any, n: int, group: int, bits: int) -> np.ndarray:
+    """Scale-only values (:mod:`kvplugin.cache.symmetric`): ``(code - half) * scale``."""
+    codes = _codes(parts[0], n, bits)
+    *lead, width = codes.shape
+    out = codes.astype(np.float32).reshape(*lead, width // group, group)
+    out -= ((1 << bits) - 1) / 2
+    out *= _f32(parts[1])[..., :n, :, None]
+    return out.reshape(*lead, width)
+
+
+@lru_cache(maxsize=1)
+def _numpy_blas() -> Any:
+    """numpy's own BLAS (the OpenBLAS numpy 2 wheels bundle; not the one MLX links), for
+    :mod:`threadpoolctl` to hold. Where numpy uses another BLAS nothing is selected and the
+    limit does nothing."""
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(prefix="libscipy_openblas")
+
+
+@lru_cache(maxsize=16)
+def _unrotation(width: int, seed: int) -> np.ndarray:
+    from kvplugin.cache.rotation import _matrix
+
+    return np.ascontiguousarray(_matrix(width, seed).T)  # x @ R.T undoes x @ R
+
+
+def restore_layer(layer: Any, codec: str, seed: int, n: int, vbits: int, kept: list,
+                  dtype: Any) -> tuple[mx.array, mx.array]:
+    """The first ``n`` keys and values of a layer quantized with a rotated ``codec``, in
+    ``dtype``.
+
+    ``kept`` are the layer's full-precision rows for keys and values (or ``None``), written
+    back by the MLX path's own ``_restore_protected`` (it only slices, so it takes numpy
+    arrays as well). numpy's BLAS runs the rotation on one thread: on both cores its workers
+    kept spinning after each GEMM and slowed the host's next MLX matmuls ~1.8x (measured),
+    for a GEMM that one core does in ~1 ms per layer.
+    """
+    from kvplugin.cache.quantize import CHANNEL_KEYS, SYM, _restore_protected
+
+    restore_keys = _per_channel if codec in CHANNEL_KEYS else _per_token
+    restore_values = _symmetric if codec == SYM else _per_token
+    out = []
+    with _numpy_blas().limit(limits=1):
+        for restore, parts, rows, bits in ((restore_keys, layer.keys, kept[0], layer.bits),
+                                           (restore_values, layer.values, kept[1], vbits)):
+            x = restore(parts, n, layer.group_size, bits)  # still rotated
+            x = (x.reshape(-1, x.shape[-1]) @ _unrotation(x.shape[-1], seed)).reshape(x.shape)
+            x = _restore_protected(x, None if rows is None else _f32(rows), layer, n)
+            out.append(mx.array(x.astype(np.float16) if dtype == mx.float16 else x))
+    return tuple(x if x.dtype == dtype else x.astype(dtype) for x in out)  # bfloat16
