@@ -131,7 +131,7 @@ def restore_layer(layer: Any, codec: str, seed: int, n: int, vbits: int, kept: l
         for restore, parts, rows, bits in ((restore_keys, layer.keys, kept[0], layer.bits),
                                            (restore_values, layer.values, kept[1], vbits)):
             x = restore(parts, n, layer.group_size, bits)  # still rotated
-            x = (x.reshape(-1, x.shape[-1]) @ _unrotation(x.shape[-1], seed)).reshape(x.shape)
+            x = x @ _unrotation(x.shape[-1], seed)  # one GEMM per head, no copy of the view
             x = _restore_protected(x, None if rows is None else _f32(rows), layer, n)
             out.append(mx.array(x.astype(np.float16) if dtype == mx.float16 else x))
     return tuple(x if x.dtype == dtype else x.astype(dtype) for x in out)  # bfloat16
