@@ -18,13 +18,40 @@ from kvplugin.tools.bench.memory import (
     configs_to_run,
     entry_bytes,
     host_tokens_saved,
+    results_json,
+    table,
 )
 from kvplugin.tools.models.families import available, build_family_model
 
 
-def turn(cached: int | None) -> TurnResult:
-    return TurnResult(start=0.0, end=1.0, prompt_tokens=10, cached_tokens=cached, ttft_s=0.1,
-                      decode_tok_s=None, text="x")
+def turn(cached: int | None, text: str = "x", start: float = 0.0) -> TurnResult:
+    return TurnResult(start=start, end=start + 1.0, prompt_tokens=10, cached_tokens=cached,
+                      ttft_s=0.1, decode_tok_s=None, text=text)
+
+
+def traced(key: str, texts: list[str], cached: list[int]) -> RunResult:
+    """A run with a two-sample trace, enough for ``summary()``."""
+    r = RunResult(key, key, 1 << 20, turns=[turn(c, t, float(i)) for i, (t, c)
+                                          in enumerate(zip(texts, cached))])
+    r.trace = [{"t": -1.0, "kind": "sample", "hwm": 0, "active": 0, "peak": 0},
+               {"t": 9.0, "kind": "sample", "hwm": 2 << 20, "active": 1 << 20, "peak": 1 << 20}]
+    return r
+
+
+def test_the_table_says_whose_answers_were_stocks_and_reuse_of_how_many_tokens():
+    """A quantized entry may change an answer; every later prompt then differs, so a lower
+    reuse count there is not lost reuse. The table says which rows that happened to."""
+    stock = traced("stock", ["a", "b", "c"], [0, 8, 9])
+    same = traced("fp16", ["a", "b", "c"], [0, 8, 9])
+    changed = traced("4bit", ["a", "B", "c"], [0, 8, 8])
+    text = table([stock, same, changed], "t")
+    rows = {line.split()[0]: line.split()[-4:] for line in text.splitlines() if line.strip()}
+    assert rows["fp16"] == ["17", "of", "30", "3/3"]
+    assert rows["4bit"] == ["16", "of", "30", "2/3"]
+    assert rows["stock"] == ["17", "of", "30", "-"]
+    assert text.splitlines()[-1].startswith("4bit: an answer differed from stock's")
+    assert "differed" not in table([stock, same], "t")
+    assert results_json([stock, changed])["4bit"]["summary"]["answers_as_stock"] == 2
 
 
 def test_usage_wins_when_the_host_reports_it():

@@ -12,7 +12,13 @@ each under :mod:`kvplugin.tools.memtrace`, and reports for each:
 - the largest MLX transient of a reuse turn (peak during the turn minus the active memory
   before it), x the entry;
 - MLX active memory after the last turn (what stays held);
-- warm time-to-first-token and decode tokens/s of the reuse turns (streamed requests).
+- warm time-to-first-token and decode tokens/s of the reuse turns (streamed requests);
+- prompt tokens reused of the prompt tokens sent, and how many answers were stock's.
+
+Why the last column: the next turn's prompt holds the last answer, so a server whose answer
+differs (a quantized entry may change one) is asked other prompts from then on, and its
+tokens reused and times compare with stock's only roughly. The table says so where it
+happens instead of leaving a lower count to look like lost reuse.
 
 Every figure is labelled with the server that produced it; the stock row is always printed.
 """
@@ -98,7 +104,13 @@ class RunResult:
             "cold_ttft_ms": 1000 * self.turns[0].ttft_s,
             "decode_tok_s": sorted(rates)[len(rates) // 2] if rates else None,
             "tokens_reused": self.tokens_reused(),
+            "prompt_tokens": sum(t.prompt_tokens for t in self.turns),
         }
+
+    def answers_as(self, other: "RunResult") -> int:
+        """How many of this run's answers are ``other``'s, turn by turn (greedy requests:
+        the same cache gives the same answer)."""
+        return sum(a.text == b.text for a, b in zip(self.turns, other.turns))
 
 
     def tokens_reused(self) -> int | None:
@@ -256,23 +268,34 @@ def run_one(
 
 
 def table(results: Sequence[RunResult], title: str) -> str:
+    """The comparison; ``results[0]`` is stock (:func:`configs_to_run` puts it first)."""
     from kvplugin.tools.bench.report import format_table
 
-    rows = []
+    stock, rows, differed = results[0], [], []
     for r in results:
         s = r.summary()
+        same = r.answers_as(stock)
+        if r is not stock and same < len(r.turns):
+            differed.append(r.label)
         rows.append([
             s["server"], f"{s['hwm_growth_x']:.2f}x", f"{s['hwm_growth_reuse_x']:.2f}x",
             "-" if s["max_reuse_transient_x"] is None else f"{s['max_reuse_transient_x']:.2f}x",
             f"{s['held_after_mib']:.0f} MiB", f"{s['warm_ttft_ms']:.0f} ms",
             "-" if s["decode_tok_s"] is None else f"{s['decode_tok_s']:.1f}",
-            "-" if s["tokens_reused"] is None else str(s["tokens_reused"]),
+            ("-" if s["tokens_reused"] is None else f"{s['tokens_reused']}")
+            + f" of {s['prompt_tokens']}",
+            "-" if r is stock else f"{same}/{len(r.turns)}",
         ])
-    return format_table(
+    text = format_table(
         ["server (measured in this run)", "VmHWM growth", "from 1st reuse", "MLX transient",
-         "MLX held after", "warm TTFT", "decode tok/s", "tokens reused"],
+         "MLX held after", "warm TTFT", "decode tok/s", "prompt tokens reused",
+         "answers = stock's"],
         rows, title=title,
     )
+    if differed:
+        text += (f"\n{', '.join(differed)}: an answer differed from stock's, so the later turns'"
+                 " prompts differed too; tokens reused and times compare only roughly there.")
+    return text
 
 
 def plot(results: Sequence[RunResult], path: Path, title: str) -> Path | None:
@@ -309,7 +332,7 @@ def plot(results: Sequence[RunResult], path: Path, title: str) -> Path | None:
 def results_json(results: Sequence[RunResult]) -> dict[str, Any]:
     return {
         r.config: {
-            "summary": r.summary(),
+            "summary": {**r.summary(), "answers_as_stock": r.answers_as(results[0])},
             "turns": [asdict(t) for t in r.turns],
         }
         for r in results
