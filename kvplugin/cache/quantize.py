@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
-from kvplugin.cache.cpu_restore import restore_layer, restores_here
+from kvplugin.cache.cpu_restore import dequantize, restore_layer, restores_here
 from kvplugin.cache.lanes import in_lanes
 from kvplugin.cache.model_widths import (ALLOWED_GROUP_SIZES, cache_widths, head_dim_of,
                                          validate_group_size_for_model)
@@ -344,7 +344,7 @@ def _original_dtype(layer: QuantizedKVCache) -> Any:
 
 def _dequantize(parts: Any, n: int, group_size: int, bits: int, dtype: Any) -> mx.array:
     w, scales, biases = (x[..., :n, :] for x in parts[:3])
-    out = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    out = dequantize(w, scales, biases, group_size, bits)
     return out if out.dtype == dtype else out.astype(dtype)
 
 
@@ -523,6 +523,24 @@ def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
                                   for x, rows in zip((kv.keys, kv.values), kept))
         kv.offset = n
     return i, kv
+
+
+def warm_up(plan: Any) -> None:
+    """Quantize and restore one small synthetic entry with ``plan`` (a
+    :class:`kvplugin.codecs.CodecPlan`) in each dtype a model's cache may have, so that the
+    kernels the codec uses are loaded now (see ``kvplugin_configure`` in
+    :mod:`kvplugin.default_plugins.quantize`)."""
+    rows = 2 * plan.group_size + plan.sink_tokens + plan.recent_tokens + 1
+    ramp = mx.arange(rows * plan.group_size, dtype=mx.float32).reshape(1, 1, rows, -1)
+    for dtype in (mx.float16, mx.bfloat16, mx.float32):
+        layer = KVCache()
+        layer.update_and_fetch((ramp / rows).astype(dtype), (-ramp / rows).astype(dtype))
+        stored = quantize_entry([layer], bits=plan.key_bits, value_bits=plan.value_bits,
+                                group_size=plan.group_size, codec=plan.codec,
+                                sink_tokens=plan.sink_tokens, recent_tokens=plan.recent_tokens,
+                                consume=True).cache
+        restored = dequantize_entry(stored, consume=True)
+        mx.eval(restored[0].keys, restored[0].values)
 
 
 def attention_roundtrip_error(

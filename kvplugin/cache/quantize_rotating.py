@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from kvplugin.cache import rotation
+from kvplugin.cache.cpu_restore import dequantize
 from kvplugin.cache.layers import LayerKind, register_kind
 from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, UnknownCodec
 
@@ -122,8 +123,8 @@ def dequantize_rotating(q: QuantizedRotatingKVCache) -> RotatingKVCache:
     layer = cls.__new__(cls)
     RotatingKVCache.__init__(layer, q.max_size, q.keep)
     dtype = getattr(mx, q.dtype_name, mx.float16)
-    keys = mx.dequantize(*q.keys, group_size=q.group_size, bits=q.bits)
-    values = mx.dequantize(*q.values, group_size=q.group_size, bits=q.bits)
+    keys = dequantize(*q.keys, q.group_size, q.bits)
+    values = dequantize(*q.values, q.group_size, q.bits)
     if codec == "rotated":
         seed = getattr(q, SEED_ATTR)
         keys, values = rotation.unrotate(keys, seed), rotation.unrotate(values, seed)

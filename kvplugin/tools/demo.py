@@ -171,6 +171,7 @@ def _memory(trace: Path, marks: Mapping[str, float]) -> dict[str, Any] | None:
     return {
         "held_after_bytes": end["active"] - start["active"],
         "reuse_peak_over_bytes": max(0, peak - reuse["active"]),
+        "reuse_peak_bytes": peak - start["active"],
         "hwm_growth_bytes": end["hwm"] - start["hwm"],
     }
 
@@ -333,6 +334,7 @@ def _row(run: Mapping[str, Any], budget: int | None) -> dict[str, Any]:
         "conversations_in_budget": (int(budget // held) if budget and held and held > 0
                                     else None),
         "reuse_peak_over_bytes": mem.get("reuse_peak_over_bytes"),
+        "reuse_peak_bytes": mem.get("reuse_peak_bytes"),
         "hwm_growth_bytes": mem.get("hwm_growth_bytes"),
         "ttft_cold_s": turns[0]["ttft_s"] if turns else None,
         "ttft_warm_s": _median([t["ttft_s"] for t in turns[1:]]),
@@ -411,6 +413,8 @@ def format_report(result: Mapping[str, Any]) -> str:
                  f"the {_fmt_bytes(result.get('budget_bytes'))} prompt-cache budget / the line above"),
             pair("peak above held, on reuse", "reuse_peak_over_bytes", _fmt_bytes,
                  "MLX peak during turns 2.. minus active before turn 2, same recorder"),
+            pair("peak on reuse", "reuse_peak_bytes", _fmt_bytes,
+                 "MLX peak during turns 2.. minus active before turn 1"),
             pair("process high-water growth", "hwm_growth_bytes", _fmt_bytes,
                  "VmHWM, end minus before turn 1"),
             pair("first token, turn 1 (cold)", "ttft_cold_s", _ms, "streamed"),

@@ -9,6 +9,8 @@ each under :mod:`kvplugin.tools.memtrace`, and reports for each:
   (the entry = the bytes of the cache the first turn's prompt fills, read from the
   model's own cache classes: :func:`entry_bytes`);
 - the same from just before the first *reuse* turn (what reuse itself costs);
+- MLX's peak during the conversation above its active memory just before the first turn,
+  x the entry (the arrays alive at the worst moment, the entries held included);
 - the largest MLX transient of a reuse turn (peak during the turn minus the active memory
   before it), x the entry;
 - MLX active memory after the last turn (what stays held);
@@ -98,6 +100,8 @@ class RunResult:
             "entry_mib": entry / MiB,
             "hwm_growth_x": (end["hwm"] - first["hwm"]) / entry,
             "hwm_growth_reuse_x": (end["hwm"] - reuse["hwm"]) / entry,
+            "mlx_peak_growth_x": (max(x["peak"] for x in self.trace if x["t"] > first["t"])
+                                  - first["active"]) / entry,
             "max_reuse_transient_x": max(transients) if transients else None,
             "held_after_mib": end["active"] / MiB,
             "warm_ttft_ms": 1000 * sorted(t.ttft_s for t in warm)[len(warm) // 2],
@@ -279,7 +283,7 @@ def table(results: Sequence[RunResult], title: str) -> str:
             differed.append(r.label)
         rows.append([
             s["server"], f"{s['hwm_growth_x']:.2f}x", f"{s['hwm_growth_reuse_x']:.2f}x",
-            "-" if s["max_reuse_transient_x"] is None else f"{s['max_reuse_transient_x']:.2f}x",
+            f"{s['mlx_peak_growth_x']:.2f}x", "-" if s["max_reuse_transient_x"] is None else f"{s['max_reuse_transient_x']:.2f}x",
             f"{s['held_after_mib']:.0f} MiB", f"{s['warm_ttft_ms']:.0f} ms",
             "-" if s["decode_tok_s"] is None else f"{s['decode_tok_s']:.1f}",
             ("-" if s["tokens_reused"] is None else f"{s['tokens_reused']}")
@@ -287,7 +291,8 @@ def table(results: Sequence[RunResult], title: str) -> str:
             "-" if r is stock else f"{same}/{len(r.turns)}",
         ])
     text = format_table(
-        ["server (measured in this run)", "VmHWM growth", "from 1st reuse", "MLX transient",
+        ["server (measured in this run)", "VmHWM growth", "from 1st reuse", "MLX peak",
+         "MLX transient",
          "MLX held after", "warm TTFT", "decode tok/s", "prompt tokens reused",
          "answers = stock's"],
         rows, title=title,
