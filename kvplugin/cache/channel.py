@@ -108,7 +108,7 @@ def quantize_channels(x: mx.array, group: int, bits: int) -> tuple[mx.array, mx.
     step = scales.astype(mx.float32)[..., None, :]
     base = mins.astype(mx.float32)[..., None, :]
     codes = mx.round((grouped.astype(mx.float32) - base) / mx.where(step > 0, step, 1.0))
-    codes = mx.clip(codes, 0, levels).astype(mx.uint8 if bits <= 8 else mx.uint32)
+    codes = mx.clip(codes, 0, levels).astype(mx.uint8)  # bits <= 8
     codes = codes.reshape(*lead, rows * group, width)[..., :n, :]
     return pack_codes(codes, bits), scales, mins
 

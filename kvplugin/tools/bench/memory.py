@@ -116,7 +116,6 @@ class RunResult:
         the same cache gives the same answer)."""
         return sum(a.text == b.text for a, b in zip(self.turns, other.turns))
 
-
     def tokens_reused(self) -> int | None:
         """``usage.prompt_tokens_details.cached_tokens`` summed over the turns; where no turn
         reports it (vllm-mlx's chat completions never do), the host's own prefix-cache count
@@ -283,7 +282,8 @@ def table(results: Sequence[RunResult], title: str) -> str:
             differed.append(r.label)
         rows.append([
             s["server"], f"{s['hwm_growth_x']:.2f}x", f"{s['hwm_growth_reuse_x']:.2f}x",
-            f"{s['mlx_peak_growth_x']:.2f}x", "-" if s["max_reuse_transient_x"] is None else f"{s['max_reuse_transient_x']:.2f}x",
+            f"{s['mlx_peak_growth_x']:.2f}x",
+            "-" if s["max_reuse_transient_x"] is None else f"{s['max_reuse_transient_x']:.2f}x",
             f"{s['held_after_mib']:.0f} MiB", f"{s['warm_ttft_ms']:.0f} ms",
             "-" if s["decode_tok_s"] is None else f"{s['decode_tok_s']:.1f}",
             ("-" if s["tokens_reused"] is None else f"{s['tokens_reused']}")
@@ -292,9 +292,8 @@ def table(results: Sequence[RunResult], title: str) -> str:
         ])
     text = format_table(
         ["server (measured in this run)", "VmHWM growth", "from 1st reuse", "MLX peak",
-         "MLX transient",
-         "MLX held after", "warm TTFT", "decode tok/s", "prompt tokens reused",
-         "answers = stock's"],
+         "MLX transient", "MLX held after", "warm TTFT", "decode tok/s",
+         "prompt tokens reused", "answers = stock's"],
         rows, title=title,
     )
     if differed:
