@@ -95,3 +95,81 @@ def test_byte_packing_holds_bytes_not_words(bits):
     peak, words = _peak_over(lambda: pack_codes(codes, bits))
     assert peak <= 2 * codes.nbytes, peak / codes.nbytes  # a uint32 per code would be 4x
     assert mx.array_equal(unpack_codes(words, bits), codes.astype(mx.uint32))
+
+
+def _two_layer_entry(n: int, dtype=mx.float16, width: int = 128) -> list:
+    from mlx_lm.models.cache import KVCache
+
+    cache = []
+    for seed in range(2):
+        layer = KVCache()
+        k, v = (mx.random.normal((1, 1, n, width), key=mx.random.key(seed * 2 + i)).astype(dtype)
+                for i in range(2))
+        layer.update_and_fetch(k, v)
+        cache.append(layer)
+    mx.eval([a for c in cache for a in (c.keys, c.values)])
+    return cache
+
+
+def _stored_arrays(cache: list) -> list:
+    return [a for layer in cache for a in (*layer.keys, *layer.values)]
+
+
+@pytest.mark.parametrize("codec,bits", [("rotated", 4), ("rotated-channel", 4),
+                                        ("rotated-channel", 2), ("rotated-channel-sym", 3)])
+@pytest.mark.parametrize("n", [100, 1549])
+def test_row_chunks_store_what_one_pass_stores(codec, bits, n):
+    """Chunks of 32 rows (the last one short; per-channel key groups of 32 never straddle
+    two chunks) give the very arrays of one pass, protected rows included."""
+    from kvplugin.cache.quantize import quantize_entry
+
+    kw = dict(bits=bits, group_size=32, codec=codec, sink_tokens=4, recent_tokens=16)
+    one = quantize_entry(_two_layer_entry(n), chunk_bytes=0, **kw).cache
+    chunked = quantize_entry(_two_layer_entry(n), chunk_bytes=32 * 256, **kw).cache
+    for a, b in zip(_stored_arrays(one), _stored_arrays(chunked), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b), (a.shape, codec)
+
+
+def test_a_4_bit_store_of_a_2_layer_model_holds_a_fraction_of_the_entry():
+    """On a 2-layer model each layer is half the entry: one pass per layer (the rotation and
+    per-channel keys, two lanes) peaked at 3.2x the entry above what it held, and a real
+    server's process high-water mark on mlx-lm's sequential path rose ~2.8 MiB above stock's
+    for a 1.5 MiB entry. In chunks of 1/32 of the entry it stays under half the entry."""
+    from kvplugin.cache.quantize import quantize_entry
+
+    def store(chunk_bytes):
+        cache = _two_layer_entry(1549)
+        entry = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+        kw = dict(bits=4, group_size=64, codec="rotated-channel", sink_tokens=4, recent_tokens=16)
+        mx.eval(_stored_arrays(quantize_entry(_two_layer_entry(64), **kw).cache))  # kernels
+        mx.clear_cache()
+        held = mx.get_active_memory()
+        mx.reset_peak_memory()
+        out = quantize_entry(cache, consume=True, chunk_bytes=chunk_bytes, **kw).cache
+        mx.eval(_stored_arrays(out))
+        return (mx.get_peak_memory() - held) / entry
+
+    assert store(None) < 0.5  # the default: 1/32 of the entry
+    assert store(0) > 2.0  # one pass per layer: what it was
+
+
+def test_a_model_with_many_layers_takes_one_pass_per_array(monkeypatch):
+    """With 16 layers a layer's keys are 1/32 of the entry: no chunks, the two lanes kept."""
+    from mlx_lm.models.cache import KVCache
+
+    from kvplugin.cache import rotation
+    from kvplugin.cache.quantize import quantize_entry
+
+    passes: list[int] = []
+    real = rotation.rotate
+    monkeypatch.setattr(rotation, "rotate", lambda x, *a: passes.append(x.shape[-2]) or real(x, *a))
+    cache = []
+    for _ in range(16):
+        layer = KVCache()
+        layer.update_and_fetch(*(mx.random.normal((1, 1, 300, 64)).astype(mx.float16),) * 2)
+        cache.append(layer)
+    quantize_entry(cache, bits=4, group_size=64, codec="rotated-channel")
+    assert passes == [300] * 32
+    passes.clear()
+    quantize_entry(cache[:2], bits=4, group_size=64, codec="rotated-channel")
+    assert len(passes) > 4 and sum(passes) == 4 * 300  # 2 layers: chunked

@@ -364,7 +364,8 @@ def test_only_the_new_rows_are_quantized_when_a_stored_prefix_holds_the_rest(mon
     real = rotation.rotate
     monkeypatch.setattr(rotation, "rotate", lambda x, *a: rotated.append(x.shape[-2]) or real(x, *a))
     whole = [_layer(3)]
-    kw = dict(bits=4, group_size=64, codec="rotated-channel", sink_tokens=4, recent_tokens=16)
+    kw = dict(bits=4, group_size=64, codec="rotated-channel", sink_tokens=4, recent_tokens=16,
+              chunk_bytes=0)  # one pass per array (a one-layer entry would be chunked)
     stored = quantize_entry([_prefix_layer(whole[0], 290)], **kw).cache
     rotated.clear()
     quantize_entry(whole, stored_prefix=stored, **kw)

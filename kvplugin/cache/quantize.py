@@ -133,6 +133,7 @@ def _quantize_layer(
     recent: int = 0,
     boundaries: Any = (),
     stored: Any = None,
+    chunk_bytes: int | None = None,
 ) -> QuantizedKVCache:
     """``bits`` are the keys' (``layer.bits``); values use ``value_bits`` (recorded when they
     differ). ``rotated`` needs power-of-two widths (``rotated-channel`` also 32 or more); a
@@ -141,7 +142,9 @@ def _quantize_layer(
     (:mod:`kvplugin.cache.channel`). ``sink``/``recent`` tokens, and ``recent`` tokens before
     each of ``boundaries``, are kept at full precision besides (their quantized rows stay
     too: exact-size arrays, simple trims). ``stored``: this layer of a stored entry that
-    holds this entry's first tokens (see :func:`_reusable_rows`)."""
+    holds this entry's first tokens (see :func:`_reusable_rows`). ``chunk_bytes``: encode
+    the keys and the values in row chunks of at most this many input bytes
+    (:func:`_in_row_chunks`)."""
     from kvplugin.cache import channel, rotation
 
     n = layer.offset
@@ -161,18 +164,25 @@ def _quantize_layer(
     # every row is quantized once, from the values the model computed.
     key_rows = reused // group_size * group_size if codec in CHANNEL_KEYS else reused
     keys, values = keys[..., key_rows:, :], values[..., reused:, :]
-    if codec != "affine":
-        keys, values = rotation.rotate(keys), rotation.rotate(values)
-    if codec in CHANNEL_KEYS:
-        q.keys = channel.quantize_channels(keys, group_size, bits)
-    else:
-        q.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
-    if codec == SYM:
-        from kvplugin.cache.symmetric import quantize_symmetric
 
-        q.values = quantize_symmetric(values, group_size, vbits)
-    else:
-        q.values = tuple(mx.quantize(values, group_size=group_size, bits=vbits))
+    def encode_keys(k: mx.array) -> tuple:
+        k = k if codec == "affine" else rotation.rotate(k)
+        if codec in CHANNEL_KEYS:
+            return channel.quantize_channels(k, group_size, bits)
+        return tuple(mx.quantize(k, group_size=group_size, bits=bits))
+
+    def encode_values(v: mx.array) -> tuple:
+        v = v if codec == "affine" else rotation.rotate(v)
+        if codec == SYM:
+            from kvplugin.cache.symmetric import quantize_symmetric
+
+            return quantize_symmetric(v, group_size, vbits)
+        return tuple(mx.quantize(v, group_size=group_size, bits=vbits))
+
+    # affine is one MLX kernel that holds its output only: nothing to gain from chunks
+    chunk = None if codec == "affine" else chunk_bytes
+    q.keys = _in_row_chunks(keys, encode_keys, chunk, group_size)
+    q.values = _in_row_chunks(values, encode_values, chunk, group_size)
     if key_rows:
         per_group = codec in CHANNEL_KEYS  # scales/minimums: one row per group of tokens
         q.keys = _joined(stored.keys, q.keys, key_rows, key_rows // group_size if per_group
@@ -199,6 +209,61 @@ def _quantize_layer(
     if "step" in vars(layer):  # a configured growth step keeps applying after reuse
         q.step = layer.step
     return q
+
+
+#: A codec pass encodes at most this share of the whole entry at once (see _in_row_chunks)
+CHUNK_SHARE = 32
+
+
+def _in_row_chunks(x: mx.array, encode: Any, chunk_bytes: int | None, group: int) -> tuple:
+    """``encode(x)``, or, when ``x`` is larger than ``chunk_bytes``, ``encode`` over chunks
+    of its rows (a multiple of ``group`` rows each), each chunk evaluated before the next is
+    made, and the chunks' arrays joined.
+
+    Why: encoding a layer holds several times that layer in temporaries (the rotation and
+    per-channel keys ~7x an fp16 layer at 4 bits), and MLX builds them all at once for one
+    graph. On a model with few layers one layer is a large share of the entry: a 2-layer
+    model's 4-bit store peaked at 3.2x the entry above what it held, and a real server's
+    process high-water mark on the sequential path rose ~2.8 MiB above stock's for a 1.5
+    MiB entry. Chunked at 1/32 of the entry (``CHUNK_SHARE``), a pass holds a few chunks and
+    the codes. Every codec here quantizes a row (per-channel keys: a group of rows) on its
+    own, so the result is bit for bit the unchunked one. A model with 16 layers or more
+    (a layer's keys at most 1/32 of the entry) takes one pass per array, as before, and
+    keeps its two lanes (:mod:`kvplugin.cache.lanes`); a chunked layer's lane evaluates as
+    it goes, so its layers run one after the other."""
+    rows = x.shape[-2]
+    row_bytes = x.nbytes // rows if rows else 0
+    if not chunk_bytes or not row_bytes or x.nbytes <= chunk_bytes:
+        return encode(x)
+    step = max(group, chunk_bytes // row_bytes // group * group)
+    if rows <= step:
+        return encode(x)
+    out: list[mx.array] = []
+    full: list[int] = []  # each array's rows per whole chunk: step (per token) or step/group
+    for start in range(0, rows, step):
+        part = encode(x[..., start : start + step, :])
+        if not out:  # the joined arrays, filled in place chunk by chunk (no concatenation)
+            full = [a.shape[-2] for a in part]
+            out = [mx.zeros((*a.shape[:-2], -(-rows * f // step), a.shape[-1]), a.dtype)
+                   for a, f in zip(part, full)]
+        for i, a in enumerate(part):
+            at = start // step * full[i]
+            out[i][..., at : at + a.shape[-2], :] = a
+        del part
+        mx.eval(out)
+    return tuple(out)
+
+
+def _used_bytes(layer: Any) -> int:
+    """Bytes of the rows a plain K/V layer uses (nested children too); 0 for anything else."""
+    if type(layer) is CacheList:
+        return sum(_used_bytes(child) for child in layer.caches)
+    keys, values, n = getattr(layer, "keys", None), getattr(layer, "values", None), \
+        getattr(layer, "offset", 0)
+    if not isinstance(keys, mx.array) or not isinstance(values, mx.array) or not _is_int(n):
+        return 0
+    rows = min(n, keys.shape[-2])
+    return (keys.nbytes // max(1, keys.shape[-2]) + values.nbytes // max(1, values.shape[-2])) * rows
 
 
 def _reusable_rows(stored: Any, codec: str, bits: int, vbits: int, group_size: int,
@@ -252,6 +317,7 @@ def quantize_entry(
     recent_tokens: int = 0,
     prompt_boundaries: Any = (),
     stored_prefix: list | None = None,
+    chunk_bytes: int | None = None,
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
@@ -268,7 +334,9 @@ def quantize_entry(
     ``stored_prefix``: a stored entry (as this codec stored it) of this entry's first
     tokens, the same model's layers in the same order; the rows it holds are copied rather
     than quantized again wherever it was stored with this very codec (plain layers). With
-    ``consume`` each of its layers is dropped from that list once used.
+    ``consume`` each of its layers is dropped from that list once used. ``chunk_bytes``:
+    the most input bytes one codec pass encodes at once (default: 1/``CHUNK_SHARE`` of the
+    entry's used rows; see :func:`_in_row_chunks`).
     """
     validate_bits_group(bits, group_size)
     if value_bits is not None:
@@ -279,6 +347,8 @@ def quantize_entry(
     quantized = skipped = 0
     from kvplugin.cache.quantize_rotating import is_rotating_quantizable, quantize_rotating
 
+    if chunk_bytes is None:
+        chunk_bytes = sum(_used_bytes(layer) for layer in cache) // CHUNK_SHARE
     donors = (stored_prefix if stored_prefix is not None
               and len(stored_prefix) == len(cache) else [None] * len(cache))
     def one(item: tuple[int, Any]) -> tuple[int, Any]:
@@ -289,10 +359,11 @@ def quantize_entry(
                                      codec=codec, value_bits=value_bits,
                                      sink_tokens=sink_tokens, recent_tokens=recent_tokens,
                                      prompt_boundaries=prompt_boundaries,
-                                     stored_prefix=None if kids is None else list(kids))
+                                     stored_prefix=None if kids is None else list(kids),
+                                     chunk_bytes=chunk_bytes)
         if is_quantizable(layer, group_size):
             return i, _quantize_layer(layer, bits, group_size, codec, value_bits, sink_tokens,
-                                      recent_tokens, prompt_boundaries, donors[i])
+                                      recent_tokens, prompt_boundaries, donors[i], chunk_bytes)
         if is_rotating_quantizable(layer, group_size):  # key bits: windows are short
             return i, quantize_rotating(layer, bits, group_size, codec)
         return i, None
