@@ -28,6 +28,7 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from kvplugin.cache.cpu_restore import dequantize, restore_layer, restores_here
 from kvplugin.cache.lanes import in_lanes
+from kvplugin.cache.row_chunks import CHUNK_SHARE, in_row_chunks, used_bytes
 from kvplugin.cache.model_widths import (ALLOWED_GROUP_SIZES, cache_widths, head_dim_of,
                                          validate_group_size_for_model)
 from kvplugin.cache.layers import is_quantizable, with_children
@@ -144,7 +145,7 @@ def _quantize_layer(
     too: exact-size arrays, simple trims). ``stored``: this layer of a stored entry that
     holds this entry's first tokens (see :func:`_reusable_rows`). ``chunk_bytes``: encode
     the keys and the values in row chunks of at most this many input bytes
-    (:func:`_in_row_chunks`)."""
+    (:func:`kvplugin.cache.row_chunks.in_row_chunks`)."""
     from kvplugin.cache import channel, rotation
 
     n = layer.offset
@@ -181,8 +182,8 @@ def _quantize_layer(
 
     # affine is one MLX kernel that holds its output only: nothing to gain from chunks
     chunk = None if codec == "affine" else chunk_bytes
-    q.keys = _in_row_chunks(keys, encode_keys, chunk, group_size)
-    q.values = _in_row_chunks(values, encode_values, chunk, group_size)
+    q.keys = in_row_chunks(keys, encode_keys, chunk, group_size)
+    q.values = in_row_chunks(values, encode_values, chunk, group_size)
     if key_rows:
         per_group = codec in CHANNEL_KEYS  # scales/minimums: one row per group of tokens
         q.keys = _joined(stored.keys, q.keys, key_rows, key_rows // group_size if per_group
@@ -209,61 +210,6 @@ def _quantize_layer(
     if "step" in vars(layer):  # a configured growth step keeps applying after reuse
         q.step = layer.step
     return q
-
-
-#: A codec pass encodes at most this share of the whole entry at once (see _in_row_chunks)
-CHUNK_SHARE = 32
-
-
-def _in_row_chunks(x: mx.array, encode: Any, chunk_bytes: int | None, group: int) -> tuple:
-    """``encode(x)``, or, when ``x`` is larger than ``chunk_bytes``, ``encode`` over chunks
-    of its rows (a multiple of ``group`` rows each), each chunk evaluated before the next is
-    made, and the chunks' arrays joined.
-
-    Why: encoding a layer holds several times that layer in temporaries (the rotation and
-    per-channel keys ~7x an fp16 layer at 4 bits), and MLX builds them all at once for one
-    graph. On a model with few layers one layer is a large share of the entry: a 2-layer
-    model's 4-bit store peaked at 3.2x the entry above what it held, and a real server's
-    process high-water mark on the sequential path rose ~2.8 MiB above stock's for a 1.5
-    MiB entry. Chunked at 1/32 of the entry (``CHUNK_SHARE``), a pass holds a few chunks and
-    the codes. Every codec here quantizes a row (per-channel keys: a group of rows) on its
-    own, so the result is bit for bit the unchunked one. A model with 16 layers or more
-    (a layer's keys at most 1/32 of the entry) takes one pass per array, as before, and
-    keeps its two lanes (:mod:`kvplugin.cache.lanes`); a chunked layer's lane evaluates as
-    it goes, so its layers run one after the other."""
-    rows = x.shape[-2]
-    row_bytes = x.nbytes // rows if rows else 0
-    if not chunk_bytes or not row_bytes or x.nbytes <= chunk_bytes:
-        return encode(x)
-    step = max(group, chunk_bytes // row_bytes // group * group)
-    if rows <= step:
-        return encode(x)
-    out: list[mx.array] = []
-    full: list[int] = []  # each array's rows per whole chunk: step (per token) or step/group
-    for start in range(0, rows, step):
-        part = encode(x[..., start : start + step, :])
-        if not out:  # the joined arrays, filled in place chunk by chunk (no concatenation)
-            full = [a.shape[-2] for a in part]
-            out = [mx.zeros((*a.shape[:-2], -(-rows * f // step), a.shape[-1]), a.dtype)
-                   for a, f in zip(part, full)]
-        for i, a in enumerate(part):
-            at = start // step * full[i]
-            out[i][..., at : at + a.shape[-2], :] = a
-        del part
-        mx.eval(out)
-    return tuple(out)
-
-
-def _used_bytes(layer: Any) -> int:
-    """Bytes of the rows a plain K/V layer uses (nested children too); 0 for anything else."""
-    if type(layer) is CacheList:
-        return sum(_used_bytes(child) for child in layer.caches)
-    keys, values, n = getattr(layer, "keys", None), getattr(layer, "values", None), \
-        getattr(layer, "offset", 0)
-    if not isinstance(keys, mx.array) or not isinstance(values, mx.array) or not _is_int(n):
-        return 0
-    rows = min(n, keys.shape[-2])
-    return (keys.nbytes // max(1, keys.shape[-2]) + values.nbytes // max(1, values.shape[-2])) * rows
 
 
 def _reusable_rows(stored: Any, codec: str, bits: int, vbits: int, group_size: int,
@@ -336,7 +282,7 @@ def quantize_entry(
     than quantized again wherever it was stored with this very codec (plain layers). With
     ``consume`` each of its layers is dropped from that list once used. ``chunk_bytes``:
     the most input bytes one codec pass encodes at once (default: 1/``CHUNK_SHARE`` of the
-    entry's used rows; see :func:`_in_row_chunks`).
+    entry's used rows; see :mod:`kvplugin.cache.row_chunks`).
     """
     validate_bits_group(bits, group_size)
     if value_bits is not None:
@@ -348,7 +294,7 @@ def quantize_entry(
     from kvplugin.cache.quantize_rotating import is_rotating_quantizable, quantize_rotating
 
     if chunk_bytes is None:
-        chunk_bytes = sum(_used_bytes(layer) for layer in cache) // CHUNK_SHARE
+        chunk_bytes = sum(used_bytes(layer) for layer in cache) // CHUNK_SHARE
     donors = (stored_prefix if stored_prefix is not None
               and len(stored_prefix) == len(cache) else [None] * len(cache))
     def one(item: tuple[int, Any]) -> tuple[int, Any]:
