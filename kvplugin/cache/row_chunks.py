@@ -61,9 +61,10 @@ def used_bytes(layer: Any) -> int:
     """Bytes of the rows a plain K/V layer uses (nested children too); 0 for anything else."""
     if type(layer) is CacheList:  # nested (Falcon-H1): its K/V children
         return sum(used_bytes(child) for child in layer.caches)
-    keys, values, n = getattr(layer, "keys", None), getattr(layer, "values", None), \
-        getattr(layer, "offset", 0)
-    if not isinstance(keys, mx.array) or not isinstance(values, mx.array) or not (isinstance(n, int) and not isinstance(n, bool)):
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    n = getattr(layer, "offset", 0)
+    if not (isinstance(keys, mx.array) and isinstance(values, mx.array)
+            and isinstance(n, int) and not isinstance(n, bool)):
         return 0
-    rows = min(n, keys.shape[-2])
-    return (keys.nbytes // max(1, keys.shape[-2]) + values.nbytes // max(1, values.shape[-2])) * rows
+    per_row = sum(a.nbytes // max(1, a.shape[-2]) for a in (keys, values))
+    return per_row * min(n, keys.shape[-2])

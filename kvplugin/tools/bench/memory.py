@@ -297,8 +297,8 @@ def table(results: Sequence[RunResult], title: str) -> str:
         ])
     text = format_table(
         ["server (measured in this run)", "VmHWM growth", "from 1st reuse", "MLX peak",
-         "process MLX peak", "process VmHWM", "MLX transient", "MLX held after", "warm TTFT", "decode tok/s",
-         "prompt tokens reused", "answers = stock's"],
+         "process MLX peak", "process VmHWM", "MLX transient", "MLX held after", "warm TTFT",
+         "decode tok/s", "prompt tokens reused", "answers = stock's"],
         rows, title=title,
     )
     text += ("\nGrowth columns: x the entry, from just before the conversation. 'process'"
