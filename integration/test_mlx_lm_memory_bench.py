@@ -55,7 +55,7 @@ def test_the_trace_marks_a_spill_to_the_ssd_tier_after_its_eviction(tiny_model, 
 def test_a_4_bit_store_on_the_sequential_path_stays_under_stock_s_peak(tiny_model, tmp_path):
     """mlx-lm's sequential path (a request with a seed), the 2-layer model, a 1,500-token
     conversation: each layer is half the entry, so a 4-bit store encoded a layer at once
-    held 3.3x the entry in MLX (the process peak rose above stock's, and its high-water mark
+    held 3.2x the entry in MLX (the process peak rose above stock's, and its high-water mark
     ~2.8 MiB above). The real servers' MLX byte counts: the store's codec pass holds under
     one entry, and the whole process's MLX peak is at most stock's."""
     from kvplugin.tools.prompts import TextMaker
