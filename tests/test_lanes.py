@@ -31,3 +31,31 @@ def test_results_come_in_order_evaluated_and_at_most_two_in_flight(monkeypatch):
         assert len(made) - len(seen) <= 2 and len(made) <= i + 2  # pairs, not the whole list
         seen.append(int(out[0].item()))
     assert seen == [0, 2, 4, 6, 8] and made == [0, 1, 2, 3, 4]
+
+
+def test_open_lanes_starts_this_thread_s_streams_before_any_codec_work(monkeypatch):
+    """Made at model load in the serving thread (KVService.learn_model), the lanes' streams
+    exist before the first hit, and in_lanes then uses those very streams."""
+    import threading
+
+    from kvplugin.cache.session import KVService
+    from kvplugin.plugins import create_plugin_manager
+    from kvplugin.settings import resolve_settings
+
+    monkeypatch.setattr(lanes, "lane_count", lambda: 2)
+    service = KVService(resolve_settings(), host="test",
+                        hook=create_plugin_manager(load_entry_points=False).hook)
+    seen = {}
+
+    def serving_thread():
+        seen["before"] = getattr(lanes._local, "streams", None)
+        service.learn_model(object(), [])  # no --max-memory: nothing else to learn
+        seen["opened"] = list(lanes._local.streams)
+        list(lanes.in_lanes(iter(range(2)), lambda i: mx.full((2,), i), lambda r: [r]))
+        seen["used"] = list(lanes._local.streams)
+
+    t = threading.Thread(target=serving_thread)
+    t.start()
+    t.join()
+    assert seen["before"] is None  # a new thread has none of its own
+    assert len(seen["opened"]) == 2 and seen["used"] == seen["opened"]

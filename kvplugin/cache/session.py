@@ -145,7 +145,10 @@ class KVService:
     def learn_model(self, model: Any, fresh_cache: list) -> None:
         """A host loaded ``model``: admission control probes its memory per token, with a
         fresh cache shaped as a request's (not counted as one). Call it in the thread that
-        runs the model, before it serves."""
+        runs the model, before it serves. The codec lanes of that thread start here too."""
+        from kvplugin.cache.lanes import open_lanes
+
+        open_lanes()
         if self.admission.ledger is None:
             return
         shaped = self.hook.kvplugin_make_cache(model=model, cache=fresh_cache,
