@@ -34,8 +34,9 @@ def test_results_come_in_order_evaluated_and_at_most_two_in_flight(monkeypatch):
 
 
 def test_open_lanes_starts_this_thread_s_streams_before_any_codec_work(monkeypatch):
-    """Made at model load in the serving thread (KVService.learn_model), the lanes' streams
-    exist before the first hit, and in_lanes then uses those very streams."""
+    """Made at model load in the serving thread (KVService.learn_model with serving_thread,
+    as mlx-lm's adapter calls it), the lanes' streams exist before the first hit, and
+    in_lanes then uses those very streams; a host loading elsewhere makes none."""
     import threading
 
     from kvplugin.cache.session import KVService
@@ -49,7 +50,9 @@ def test_open_lanes_starts_this_thread_s_streams_before_any_codec_work(monkeypat
 
     def serving_thread():
         seen["before"] = getattr(lanes._local, "streams", None)
-        service.learn_model(object(), [])  # no --max-memory: nothing else to learn
+        service.learn_model(object(), [])  # not the serving thread: nothing made
+        seen["not serving"] = getattr(lanes._local, "streams", None)
+        service.learn_model(object(), [], serving_thread=True)  # no --max-memory: only lanes
         seen["opened"] = list(lanes._local.streams)
         list(lanes.in_lanes(iter(range(2)), lambda i: mx.full((2,), i), lambda r: [r]))
         seen["used"] = list(lanes._local.streams)
@@ -57,5 +60,5 @@ def test_open_lanes_starts_this_thread_s_streams_before_any_codec_work(monkeypat
     t = threading.Thread(target=serving_thread)
     t.start()
     t.join()
-    assert seen["before"] is None  # a new thread has none of its own
+    assert seen["before"] is None and seen["not serving"] is None
     assert len(seen["opened"]) == 2 and seen["used"] == seen["opened"]

@@ -51,8 +51,9 @@ def open_lanes() -> None:
     Why: each lane is an MLX CPU stream, and a stream starts its own worker thread on first
     use (measured in-process: two threads, 288 KiB of RSS, once). Made lazily, that
     happened inside a server's first hit, and a tiny model's reuse then read ~0.3 MiB above
-    stock's. Hosts call this from the thread that will run the model, before it serves
-    (:meth:`kvplugin.cache.session.KVService.learn_model`), like loading the model."""
+    stock's. A host whose model loads in the thread that then serves calls it there
+    (``KVService.learn_model(..., serving_thread=True)``: mlx-lm), like loading the model.
+    Elsewhere (vllm-mlx serves from an executor thread) lanes made early would go unused."""
     count = lane_count()
     if count < 2:
         return

@@ -142,13 +142,16 @@ class KVService:
                 self.counters.caches_bounded += 1
         return cache if shaped is None else shaped
 
-    def learn_model(self, model: Any, fresh_cache: list) -> None:
+    def learn_model(self, model: Any, fresh_cache: list, *, serving_thread: bool = False) -> None:
         """A host loaded ``model``: admission control probes its memory per token, with a
         fresh cache shaped as a request's (not counted as one). Call it in the thread that
-        runs the model, before it serves. The codec lanes of that thread start here too."""
-        from kvplugin.cache.lanes import open_lanes
+        runs the model, before it serves. ``serving_thread``: this thread also does the
+        requests' cache work later (mlx-lm's generation thread), so its codec lanes start
+        here (:func:`kvplugin.cache.lanes.open_lanes`), not inside its first hit."""
+        if serving_thread:
+            from kvplugin.cache.lanes import open_lanes
 
-        open_lanes()
+            open_lanes()
         if self.admission.ledger is None:
             return
         shaped = self.hook.kvplugin_make_cache(model=model, cache=fresh_cache,

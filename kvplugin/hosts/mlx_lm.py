@@ -516,7 +516,8 @@ class MlxLmAdapter(HostAdapter):
         """Admission control learns the model's memory per token (in the generation thread,
         which runs the model), from a fresh cache shaped as a request's would be."""
         if self.service is not None:
-            self.service.learn_model(model, self._original_mpc(model))
+            # mlx-lm loads the model in its generation thread, which then serves
+            self.service.learn_model(model, self._original_mpc(model), serving_thread=True)
 
     def _group_size_problem(self, model: Any) -> str | None:
         return self.model_problem(model, self.settings, self.given_flags)
