@@ -113,9 +113,10 @@ def test_trie_matches_brute_force():
         others = [k for k in ref if q[: len(k)] != k]
         if others:
             assert deep_len >= max(map(lcp, others)) or deep_len == len(q)
-            v = PrefixTrie.any_below(node, self_)
+            found = list(PrefixTrie.below(node, self_, limit=len(ref)))
             if deep_len == max(map(lcp, others)) and deep_len > (len(prefixes[-1][1]) if prefixes else 0):
-                assert v is not None and lcp(v) == deep_len
+                assert found and all(lcp(v) == deep_len for v in found)
+                assert [len(v) for v in found] == sorted(len(v) for v in found)  # shortest first
     for k in list(ref):
         assert trie.remove(k) == k
     assert not trie.root.children and len(trie) == 0

@@ -11,13 +11,18 @@ Pure Python: no mlx, nothing of the engine.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["KeyIndex", "PrefixTrie", "choose", "to_key", "tokens_bytes"]
+__all__ = ["KeyIndex", "MAX_COPY_CANDIDATES", "PrefixTrie", "choose", "to_key", "tokens_bytes"]
+
+#: How many entries below a divergence point a fetch asks for a copy (bounds a lookup's cost)
+MAX_COPY_CANDIDATES = 8
 
 
 def to_key(tokens: Iterable[int] | Any) -> tuple:
@@ -161,15 +166,21 @@ class PrefixTrie:
             node, pos = child, pos + m
 
     @staticmethod
-    def any_below(node: _Node, include_self: bool):
-        """Some value in ``node``'s subtree (first found descending), or None."""
-        if include_self and node.value is not None:
-            return node.value
-        while node.children:
-            node = next(iter(node.children.values()))
-            if node.value is not None:
-                return node.value
-        return None
+    def below(node: _Node, include_self: bool, limit: int) -> Iterator:
+        """Up to ``limit`` values in ``node``'s subtree, shortest keys first (stock picks the
+        shortest longer entry): the first may not be able to give the prefix (a chunked
+        layer trimmed at its front), a shorter turn of the same conversation often can."""
+        count = itertools.count()
+        heap = [(0, next(count), node)] if include_self else [
+            (len(c.edge), next(count), c) for c in node.children.values()]
+        heapq.heapify(heap)
+        while heap and limit > 0:
+            depth, _, x = heapq.heappop(heap)
+            if x.value is not None:
+                limit -= 1
+                yield x.value
+            for c in x.children.values():
+                heapq.heappush(heap, (depth + len(c.edge), next(count), c))
 
     def prefixes_of(self, key: tuple):
         """[(length, value)] of stored strict prefixes of ``key``."""
@@ -228,9 +239,18 @@ def choose(trie: PrefixTrie, key: tuple, *, trimmable, copyable):
             break
     n = min(deep_len, cap)
     if n >= 1 and n > (best[2] if best else 0):
-        value = PrefixTrie.any_below(deep_node, deep_self)
-        if value is not None and copyable(value, n):
-            best = ("copy", value, n)
+        for value in PrefixTrie.below(deep_node, deep_self, limit=MAX_COPY_CANDIDATES):
+            if copyable(value, n):
+                return "copy", value, n
+        # None can be cut there (a chunked layer trimmed at its front): an entry that
+        # diverges earlier may still give a shorter cut, as an earlier turn often does.
+        shared = sorted(trie.branches(key), key=lambda cv: -cv[0])[:MAX_COPY_CANDIDATES]
+        for common, value in shared:
+            m = min(common, cap)
+            if m <= (best[2] if best else 0):
+                break
+            if copyable(value, m):
+                return "copy", value, m
     return best
 
 

@@ -41,8 +41,8 @@ from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
 from kvplugin.codecs import VALUE_BITS_ATTR
 
 __all__ = [
-    "KINDS", "KNOWN_FIELDS", "LayerKind", "can_copy_prefix", "copy_prefix", "dense_nbytes",
-    "entry_arrays", "entry_nbytes", "entry_tokens", "extra_scalars", "is_exact",
+    "KINDS", "KNOWN_FIELDS", "LayerKind", "can_copy_prefix", "copy_floor", "copy_prefix",
+    "dense_nbytes", "entry_arrays", "entry_nbytes", "entry_tokens", "extra_scalars", "is_exact",
     "is_quantizable", "is_trimmable", "layer_bits", "layout_of", "register_kind",
     "copy_lent", "lend_view", "snapshot", "trim_layer", "with_children",
 ]
@@ -425,9 +425,9 @@ def _copy_layer(layer: Any, n: int, share: bool = False) -> Any:
             setattr(new, f, getattr(layer, f))
     m = n
     if layout == "ChunkedKVCache":
-        m = n - layer.start_position
-        if m < 0:
+        if not _chunk_cut_ok(layer, n):
             return None
+        m = n - layer.start_position
     elif layout == "RotatingKVCache":
         if layer._idx != offset:  # not in temporal order
             return None
@@ -441,6 +441,35 @@ def _copy_layer(layer: Any, n: int, share: bool = False) -> Any:
         new.values = _seq_prefix(layer.values, m, share)
     new.offset = n
     return new
+
+
+def _chunk_cut_ok(layer: Any, n: int) -> bool:
+    """Whether a chunked layer cut at ``n`` still holds what the next token attends to.
+
+    Why not ``n >= start_position``: the token at ``n`` attends to every earlier token of its
+    own chunk, from ``n // chunk_size * chunk_size`` on; a layer whose front was trimmed past
+    that point (``maybe_trim_front`` keeps the newest ``chunk_size``) has lost them.
+    """
+    return layer.start_position <= n // layer.chunk_size * layer.chunk_size
+
+
+def copy_floor(cache: list) -> int | None:
+    """The fewest leading tokens :func:`copy_prefix` can give of ``cache`` (every longer prefix
+    up to its length too), or None when no prefix can be copied (recurrent state, a wrapped
+    window). Why: a longer entry replaces a shorter one only if it serves what that one did."""
+    held = entry_tokens(cache)
+    if not held:
+        return None
+    floor = 1
+    stack = list(cache)
+    while stack:
+        layer = stack.pop()
+        if layout_of(layer) == "CacheList":
+            stack.extend(layer.caches)
+        elif layout_of(layer) == "ChunkedKVCache" and layer.start_position > 0:
+            size = layer.chunk_size
+            floor = max(floor, -(-layer.start_position // size) * size)
+    return floor if floor <= held and can_copy_prefix(cache, floor) else None
 
 
 def can_copy_prefix(cache: list, n: int) -> bool:
@@ -457,7 +486,7 @@ def can_copy_prefix(cache: list, n: int) -> bool:
         if n > layer.offset:
             return False
         if layout == "ChunkedKVCache":
-            return n >= layer.start_position
+            return _chunk_cut_ok(layer, n)
         if layout == "RotatingKVCache":
             return layer._idx == layer.offset
         return True

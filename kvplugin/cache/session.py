@@ -311,7 +311,8 @@ class KVService:
         if all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
             for c in cache:
                 c.trim(held - len(tokens))
-            return tokens
+            # a layer may trim less than asked (a chunked one, past its front): then it lies
+            return tokens if entry_tokens(cache) == len(tokens) else None
         return None
 
     # -- fetching -----------------------------------------------------------------------------

@@ -145,8 +145,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvplugin.cache.index import KeyIndex, to_key
-from kvplugin.cache.layers import (can_copy_prefix, copy_lent, copy_prefix, entry_nbytes,
-                                   is_trimmable, prefix_views)
+from kvplugin.cache.layers import (can_copy_prefix, copy_floor, copy_lent, copy_prefix,
+                                   entry_nbytes, is_trimmable, prefix_views)
 from kvplugin.cache.lent import MAX_LENT, Lent
 from kvplugin.types import ColdTier, StoreEntry
 
@@ -436,11 +436,14 @@ class PromptStore:
                 self.settle_lent(model_key, key, cache)
                 if is_trimmable(cache):
                     for _, prev in self._index.prefixes_of(model_key, key):
+                        if not _serves_all_of(cache, prev.cache):
+                            continue
                         if prev.cache[0] is not cache[0]:
                             self._c["superseded"] += 1
                         self._remove(prev)
                     for common, prev in self._index.branches(model_key, key):
-                        if prev.prompt_len is not None and common >= prev.prompt_len:
+                        if (prev.prompt_len is not None and common >= prev.prompt_len
+                                and _serves_all_of(cache, prev.cache)):
                             self._c["superseded"] += 1
                             self._remove(prev)
                 n_entries = self.max_entries if self.max_entries is not None else 1 << 62
@@ -637,3 +640,9 @@ class PromptStore:
                 raise ValueError("the store already has a cold tier")
             self.cold = cold
 
+
+def _serves_all_of(cache: list, prev: list) -> bool:
+    """Whether ``cache`` can give by a copy every prefix ``prev`` could: only then may it
+    supersede ``prev`` (a chunked layer trimmed at its front cannot serve early cuts)."""
+    floor = copy_floor(prev)
+    return floor is None or can_copy_prefix(cache, floor)
