@@ -218,16 +218,28 @@ class KVService:
 
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
-        donor = self.stored_prefix(model_key, tokens)
-        self.store.settle_lent(model_key, tokens, cache)  # so its layers go as they are cut
-        entry = self.prepare_entry(cache, len(tokens), tokens, stored_prefix=donor)
-        donor = None  # the rows it lent are copied: let the superseded entry go at the insert
+        entry = self._prepare_owned(model_key, tokens, cache)
         if entry is not cache:
             # The host may keep its list object a while (mlx-lm's loop holds the last
             # response): drop its references now so a replaced full-precision original is
             # freed at insert, not at the next request.
             cache.clear()
         return self.store_prepared(model_key, tokens, entry)
+
+    def _prepare_owned(self, model_key: str, tokens: Sequence[int], cache: list) -> list:
+        donor = self.stored_prefix(model_key, tokens)
+        self.store.settle_lent(model_key, tokens, cache)  # so its layers go as they are cut
+        return self.prepare_entry(cache, len(tokens), tokens, stored_prefix=donor)
+
+    def prepare_finished(self, model_key: str, tokens: Sequence[int], cache: list, *,
+                         min_tokens: int = 1) -> tuple[list[int], list] | None:
+        """:meth:`give_back` up to the store: the key it would use and the entry it would
+        keep, for a host that commits entries under its own lock (:meth:`store_prepared`).
+        One sequence for every host path; None: nothing to store."""
+        key = self._finished_key(cache, tokens, min_tokens)
+        if key is None:
+            return None
+        return key, self._prepare_owned(model_key, key, cache)
 
     def store_prepared(self, model_key: str, tokens: Sequence[int], entry: list, *,
                        prompt_len: int | None = None) -> bool:
@@ -277,15 +289,17 @@ class KVService:
         when it is trimmable, rather than store an entry whose key lies about its contents:
         a wrong key would hand one conversation's KV to another. False: not stored.
         """
+        key = self._finished_key(cache, tokens, min_tokens)
+        return key is not None and self.insert(model_key, key, cache)
+
+    def _finished_key(self, cache: list, tokens: Sequence[int], min_tokens: int) -> list | None:
         if entry_tokens(cache) == 0:
-            return False  # nothing was computed: nothing to store
+            return None  # nothing was computed: nothing to store
         key = self.key_for_cache(cache, list(tokens))
         if key is None:
             self._reject(cache, "it holds more tokens than its key and cannot be trimmed")
-            return False
-        if len(key) < min_tokens:
-            return False
-        return self.insert(model_key, key, cache)
+            return None
+        return key if len(key) >= min_tokens else None
 
     def _reject(self, cache: list, why: str) -> None:
         """A cache that cannot be stored is counted by layer kind and said once, never silent."""

@@ -225,17 +225,12 @@ class KVPrefixCache:
         if auxiliary or not tokens or not cache:
             return None
         try:
-            from kvplugin.cache.layers import entry_tokens
-
-            held = entry_tokens(cache)
-            held = len(tokens) if held is None else held  # recurrent state: the host's key
-            if held > len(tokens) or held < self._min_tokens:
+            prepared = self._service.prepare_finished(self._key, tokens, list(cache),
+                                                      min_tokens=self._min_tokens)
+            if prepared is None:
                 return None
-            donor = self._service.stored_prefix(self._key, tokens[:held])
-            entry = self._service.prepare_entry(list(cache), held, tokens[:held],
-                                                stored_prefix=donor)
-            entry = detach_shared_layers(entry, cache, self._host_memory_cache)
-            return (tuple(tokens[:held]), entry)
+            key, entry = prepared
+            return (tuple(key), detach_shared_layers(entry, cache, self._host_memory_cache))
         except Exception as exc:
             self._rejections += 1
             say(f"prefix-cache store failed ({type(exc).__name__}: {exc})", key="store-failed")
