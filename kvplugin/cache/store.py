@@ -146,7 +146,7 @@ from dataclasses import dataclass, field
 
 from kvplugin.cache.index import KeyIndex, to_key
 from kvplugin.cache.layers import (can_copy_prefix, copy_floor, copy_lent, copy_prefix,
-                                   entry_nbytes, is_trimmable, prefix_views)
+                                   entry_nbytes, entry_tokens, is_trimmable, prefix_views)
 from kvplugin.cache.lent import MAX_LENT, Lent
 from kvplugin.types import ColdTier, StoreEntry
 
@@ -542,6 +542,11 @@ class PromptStore:
             if got is not None:
                 self._hit(got[1])
                 self._c["cold_hits"] += 1
+                if entry_tokens(got[0]) in (None, got[1]):
+                    # A whole entry the tier handed over (a consumed file): lent like a moved
+                    # hot one, so a prefix its continuation cannot give is stored again.
+                    lent = StoreEntry(model_key, key[:got[1]], got[0], 0)
+                    self._moving[threading.get_ident()] = (lent, got[1])
                 return got
             return self._serve(self._plan(model_key, key), model_key, key)
 
