@@ -1,0 +1,280 @@
+"""The combination matrix: host mode x layer kind x option x tier, every pair covered.
+
+Why all-pairs: the full product (4 host modes x 8 families x 5 options x 3 tiers, times the
+reuse kinds) is hundreds of servers, far past CI's budget; a failure that needs two dimensions
+to show (a bounded entry in the SSD tier, a chunked cut on the sequential path) is caught by
+any covering array of pairs. ``allpairspy`` builds it; the reuse kinds are not a dimension
+but every cell's workload: an extension of a stored entry, a prefix cut of a longer entry (a new
+conversation on the shared system prompt) and two concurrent requests on one prefix.
+
+Each cell passes only if its answers equal the reference's (stock at fp16; the same options
+without a tier where entries are quantized or bounded), the tier really carried the entry
+(counted, then reused after a restart or on a second replica), and it reused at least what
+the reference reused; or if one start-up line says why kvplugin does not serve it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import harness
+from allpairspy import AllPairs
+
+from kvplugin.tools.models.corpus import CORPUS
+
+SYSTEM = {"role": "system", "content": " ".join(CORPUS.split()[:260])}  # ~430 tokens
+MAX_TOKENS = 16
+QUESTIONS = {"A": ["Where is the river?", "And the hills?", "Who lives there?"],
+             "B": ["What grows in the garden?"], "C": ["When does the market open?"],
+             "D": ["Why is the bridge old?"]}
+
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "fp16": (),
+    "8-bit": ("--kv-cache-quantization", "--kv-cache-quantization-bits", "8",
+              "--kv-cache-min-quantize-tokens", "0"),
+    "4-bit": ("--kv-cache-quantization", "--kv-cache-quantization-bits", "4",
+              "--kv-cache-min-quantize-tokens", "0"),
+    "bounded": ("--max-kv-size", "256"),
+    "hot-only": ("--hot-cache-only",),
+}
+TIERS = ("hot", "ssd", "redis")
+EXACT = {"fp16", "hot-only"}  # options whose answers must equal stock's
+STATE_ONLY = {"mamba"}  # recurrent state only: nothing to quantize
+
+
+@dataclass(frozen=True)
+class Cell:
+    mode: str
+    family: str
+    option: str
+    tier: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}-{self.family}-{self.option}-{self.tier}"
+
+
+def cells(modes: list[str], families: list[str]) -> list[Cell]:
+    """A covering array of every pair of values of the four dimensions."""
+    rows = AllPairs([modes, families, list(OPTIONS), list(TIERS)])
+    return [Cell(*row) for row in rows]
+
+
+@dataclass
+class Run:
+    """What one workload gave: answers and cached tokens per request, in order."""
+
+    answers: list[str] = field(default_factory=list)
+    reused: list[int] = field(default_factory=list)
+    phase2_reused: int = 0
+
+
+def _ask(srv: Any, messages: list, seed: int | None) -> tuple[str, int]:
+    r = srv.chat(messages, max_tokens=MAX_TOKENS, seed=seed)
+    return harness.answer_text(r), harness.cached_tokens(r) or 0
+
+
+def phase1(srv: Any, run: Run, seed: int | None) -> list:
+    """Conversation A's two turns: the second extends the first's entry. Returns A's history."""
+    history = [SYSTEM]
+    for q in QUESTIONS["A"][:2]:
+        history.append({"role": "user", "content": q})
+        answer, reused = _ask(srv, history, seed)
+        run.answers.append(answer)
+        run.reused.append(reused)
+        history.append({"role": "assistant", "content": answer})
+    return history
+
+
+def phase2(srv: Any, run: Run, history: list, seed: int | None) -> None:
+    """A cut (B on the shared system prompt), an extension (A's third turn), then C and D at
+    once on the system prompt."""
+    start = len(run.reused)
+    for messages in ([SYSTEM, {"role": "user", "content": QUESTIONS["B"][0]}],
+                     history + [{"role": "user", "content": QUESTIONS["A"][2]}]):
+        answer, reused = _ask(srv, messages, seed)
+        run.answers.append(answer)
+        run.reused.append(reused)
+    got: dict[str, tuple[str, int]] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def one(who: str) -> None:
+        try:
+            barrier.wait(timeout=60)
+            got[who] = _ask(srv, [SYSTEM, {"role": "user", "content": QUESTIONS[who][0]}], seed)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(w,)) for w in "CD"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    for who in "CD":
+        run.answers.append(got[who][0])
+        run.reused.append(got[who][1])
+    run.phase2_reused = sum(run.reused[start:])
+
+
+@dataclass
+class Host:
+    """How one host's cells are started: its command and its own flags."""
+
+    cmd: Callable[..., list[str]]
+    mode_flags: dict[str, tuple[str, ...]]
+    seeded_modes: frozenset = frozenset()
+    budget_flags: tuple[str, ...] = ()  # a budget so small that every entry spills
+
+    def seed(self, mode: str) -> int | None:
+        return 0 if mode in self.seeded_modes else None
+
+
+def workload(host: Host, cell: Cell, start: Callable[..., Any], redis_url: str | None,
+             tmp: Path) -> tuple[Run, list[Any]]:
+    """The cell's workload on its tier; returns the run and the servers it used (the last
+    one's stats tell what the tier did)."""
+    flags = (*host.mode_flags[cell.mode], *OPTIONS[cell.option])
+    seed, run = host.seed(cell.mode), Run()
+    if cell.tier == "hot":
+        srv = start(*flags)
+        phase2(srv, run, phase1(srv, run, seed), seed)
+        return run, [srv]
+    if cell.tier == "ssd":
+        tier = ("--ssd-cache-dir", str(tmp / "ssd"), *host.budget_flags)
+        first = start(*flags, *tier)
+        history = phase1(first, run, seed)
+        settle(first)
+        first.stop()
+        second = start(*flags, *tier)
+        phase2(second, run, history, seed)
+        return run, [first, second]
+    tier = ("--kv-cache-remote", redis_url or "")
+    first, second = start(*flags, *tier), start(*flags, *tier)
+    history = phase1(first, run, seed)
+    settle(first)
+    phase2(second, run, history, seed)
+    return run, [first, second]
+
+
+def tier_carried(cell: Cell, stats: dict) -> tuple[bool, dict]:
+    """Whether the reading server got at least one entry from the tier (counted)."""
+    if cell.tier == "ssd":
+        return stats.get("store_cold_hits", 0) >= 1, stats
+    if cell.tier == "redis":
+        return (stats.get("remote_hits") or 0) >= 1, stats
+    return True, stats
+
+
+def settle(srv: Any, quiet: float = 0.5, timeout: float = 20.0) -> dict:
+    """The stats once the server has stored what it answered (hosts answer, then store)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while True:
+        stats = srv.get("/kvplugin/stats")
+        state = (stats.get("entries_stored"), stats.get("store_spills"),
+                 stats.get("remote_puts"), stats.get("remote_queued_bytes"))
+        if state != last:
+            last, since = state, time.monotonic()
+        elif time.monotonic() - since >= quiet and not stats.get("remote_queued_bytes"):
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+
+
+class Bench:
+    """One host's cells against their references, on one module's servers.
+
+    ``no_reuse``: flags that turn reuse off, so a bounded cell is compared with what the
+    bounded cache answers when every request is prefilled whole (None: a bounded cell on the
+    hot tier is checked for reuse only).
+    """
+
+    def __init__(self, host: Host, models: Callable[[str], Path], start_server: Callable,
+                 no_reuse: tuple[str, ...] | None = None) -> None:
+        self.host, self.models, self.start_server = host, models, start_server
+        self.no_reuse = no_reuse
+        self.runs: dict = {}
+
+    def _starter(self, family: str, started: list, env: dict | None = None) -> Callable:
+        def start(*flags: str) -> Any:
+            started.append(self.start_server(self.host.cmd, *flags, env=env,
+                                             model_dir=self.models(family)))
+            return started[-1]
+        return start
+
+    def _run(self, cell: Cell, tmp: Path, *, stock: bool = False,
+             extra: tuple[str, ...] = (), redis: Any = None, keep: bool = True) -> tuple:
+        """The cell's workload (stock's, or with ``extra`` flags); runs kept by key."""
+        key = (cell, stock, extra)
+        if key in self.runs:
+            return self.runs[key], []
+        started: list = []
+        host = self.host
+        if stock or extra:
+            flags = () if stock else (*OPTIONS[cell.option], *extra)
+            host = Host(cmd=host.cmd, seeded_modes=host.seeded_modes, budget_flags=host.budget_flags,
+                        mode_flags={cell.mode: (*host.mode_flags[cell.mode], *flags)})
+            cell = Cell(cell.mode, cell.family, "fp16", cell.tier)
+        env = {"KVPLUGIN_DISABLE": "1"} if stock else None
+        if cell.tier == "redis":
+            redis.client().flushall()
+        try:
+            run, servers = workload(host, cell, self._starter(cell.family, started, env),
+                                    redis.url if redis is not None else None, tmp)
+            stats = servers[-1].get("/kvplugin/stats") if not stock else {}
+            logs = "\n".join(line for srv in servers for line in srv.log_text().splitlines()
+                              if line.startswith("kvplugin:"))
+        finally:
+            for srv in started:
+                srv.stop()
+        if keep:
+            self.runs[key] = run
+        return run, (stats, logs)
+
+    def check(self, cell: Cell, redis: Any, tmp: Path) -> None:
+        """Run the cell and assert what it must hold (see the module docstring)."""
+        hot = Cell(cell.mode, cell.family, cell.option, "hot")
+        stock, _ = self._run(hot, tmp, stock=True)
+        run, (stats, logs) = self._run(cell, tmp, redis=redis, keep=cell.tier == "hot")
+        why = (cell, run.reused, stats, logs)
+        if cell.option == "hot-only" and cell.tier != "hot":  # a tier it turns off: said once
+            assert "--hot-cache-only wins" in logs, why
+        elif cell.tier != "hot":  # the tier carried what the hot tier would have held
+            same, _ = self._run(hot, tmp)
+            assert run.phase2_reused >= same.phase2_reused, (why, same.reused)
+            if same.phase2_reused:
+                carried, _ = tier_carried(cell, stats)
+                assert carried, why
+            if cell.option not in EXACT:
+                assert run.answers == same.answers, (why, same.answers)
+        elif cell.option != "bounded":  # never less reuse than stock
+            assert sum(run.reused) >= sum(stock.reused), (why, stock.reused)
+        if cell.option in EXACT:
+            assert run.answers == stock.answers, (why, stock.answers)
+        elif cell.option == "bounded" and self.no_reuse is not None:
+            whole, _ = self._run(hot, tmp, extra=self.no_reuse)
+            assert run.answers == whole.answers, (why, whole.answers)
+        if cell.option in ("8-bit", "4-bit") and cell.family not in STATE_ONLY:
+            assert stats["entries_quantized"] >= 1, why
+
+
+def model_dirs(tiny_model: Path, tmp_path_factory: Any) -> Callable[[str], Path]:
+    """The model directory of each family, built once on first use."""
+    from kvplugin.tools.models.families import build_family_model
+
+    built: dict[str, Path] = {"llama": tiny_model}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_family_model(family, tmp_path_factory.mktemp(family) / "m")
+        return built[family]
+
+    return get

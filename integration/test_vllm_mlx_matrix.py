@@ -1,0 +1,33 @@
+"""The combination matrix on real ``vllm-mlx serve`` processes (see :mod:`matrix`).
+
+Modes: the default (simple) mode and ``--continuous-batching``. Families: the tiny llama and
+every tiny family vllm-mlx's pinned mlx-lm has. A bounded cell is compared with the same
+options on the hot tier.
+"""
+
+from __future__ import annotations
+
+import harness
+import matrix
+import pytest
+
+from kvplugin.tools.models.families import FAMILIES, available
+
+pytestmark = pytest.mark.matrix
+
+VERSION = harness.host_version("mlx-lm")
+HOST = matrix.Host(cmd=harness.vllm_mlx_serve_cmd,
+                   mode_flags={"simple": (), "batching": ("--continuous-batching",)},
+                   budget_flags=("--cache-memory-mb", "1"))
+CELLS = matrix.cells(["simple", "batching"],
+                     ["llama", *(f for f in FAMILIES if available(f, VERSION))])
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_model, tmp_path_factory, start_server):
+    return matrix.Bench(HOST, matrix.model_dirs(tiny_model, tmp_path_factory), start_server)
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
+def test_cell(cell, bench, redis_server, tmp_path):
+    bench.check(cell, redis_server, tmp_path)
