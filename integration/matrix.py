@@ -70,11 +70,25 @@ class Run:
     answers: list[str] = field(default_factory=list)
     reused: list[int] = field(default_factory=list)
     phase2_reused: int = 0
+    #: tokens the reading server's store served in phase 2 (kvplugin's own count: a host
+    #: mode may report no cached tokens to the client); None on stock
+    phase2_served: int | None = None
 
 
 def _ask(srv: Any, messages: list, seed: int | None) -> tuple[str, int]:
-    r = srv.chat(messages, max_tokens=MAX_TOKENS, seed=seed)
-    return harness.answer_text(r), harness.cached_tokens(r) or 0
+    """One request; a 503 (a host that serves one request at a time, as vllm-mlx's simple
+    mode does, answers a concurrent one so) is retried as a client would."""
+    import time
+
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            r = srv.chat(messages, max_tokens=MAX_TOKENS, seed=seed)
+            return harness.answer_text(r), harness.cached_tokens(r) or 0
+        except harness.ServerHTTPError as exc:
+            if exc.status != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def phase1(srv: Any, run: Run, seed: int | None) -> list:
@@ -89,10 +103,17 @@ def phase1(srv: Any, run: Run, seed: int | None) -> list:
     return history
 
 
+def _served(srv: Any) -> int | None:
+    try:
+        return srv.get("/kvplugin/stats")["store_tokens_reused"]
+    except harness.ServerHTTPError:  # stock: no such route
+        return None
+
+
 def phase2(srv: Any, run: Run, history: list, seed: int | None) -> None:
     """A cut (B on the shared system prompt), an extension (A's third turn), then C and D at
     once on the system prompt."""
-    start = len(run.reused)
+    start, served = len(run.reused), _served(srv)
     for messages in ([SYSTEM, {"role": "user", "content": QUESTIONS["B"][0]}],
                      history + [{"role": "user", "content": QUESTIONS["A"][2]}]):
         answer, reused = _ask(srv, messages, seed)
@@ -120,6 +141,8 @@ def phase2(srv: Any, run: Run, history: list, seed: int | None) -> None:
         run.answers.append(got[who][0])
         run.reused.append(got[who][1])
     run.phase2_reused = sum(run.reused[start:])
+    if served is not None:
+        run.phase2_served = _served(srv) - served
 
 
 @dataclass
@@ -250,10 +273,13 @@ class Bench:
         elif cell.tier != "hot":  # the tier carried what the hot tier would have held
             same, _ = self._run(hot, tmp)
             assert run.phase2_reused >= same.phase2_reused, (why, same.reused)
-            if same.phase2_reused:
+            assert run.phase2_served >= same.phase2_served, (why, same.phase2_served)
+            if same.phase2_served:
                 carried, _ = tier_carried(cell, stats)
                 assert carried, why
-            if cell.option not in EXACT:
+            # Quantized: the SSD tier chooses its entry as the hot one does; the Redis tier
+            # serves the entry its pointer names, whose codec groups may span other tokens.
+            if cell.option not in EXACT and cell.tier == "ssd":
                 assert run.answers == same.answers, (why, same.answers)
         elif cell.option != "bounded":  # never less reuse than stock
             assert sum(run.reused) >= sum(stock.reused), (why, stock.reused)
