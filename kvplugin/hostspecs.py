@@ -16,6 +16,10 @@ Everything else that needs a host's facts reads them from here:
   entry points and ``tox.ini`` agree with :attr:`~HostDeclaration.supported` and
   :attr:`~HostDeclaration.tested`.
 
+A server kvplugin recognizes but does not back (rapid-mlx) is an :class:`UnsupportedHost`:
+the bootstrap triggers on it too, its adapter only says that the server runs stock, and
+:data:`KNOWN_HOSTS` is both kinds.
+
 A third host shipped as its own plugin declares itself the same way in its own package,
 lists its adapter under the ``kvplugin.hosts`` entry-point group, and activates its
 trigger from its own ``.pth`` with :func:`kvplugin._bootstrap.register`.
