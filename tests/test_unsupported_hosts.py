@@ -8,7 +8,6 @@ the real host is covered by ``integration/test_rapid_mlx_startup.py``.
 from __future__ import annotations
 
 import importlib.metadata
-import sys
 import textwrap
 import types
 from pathlib import Path
@@ -185,7 +184,8 @@ unsupported.ADAPTERS["fakefork"] = unsupported.UnsupportedHostAdapter(Unsupporte
 def test_a_recognized_host_says_one_line_on_import_and_is_left_alone(tmp_path):
     make_fork(tmp_path)
     code = FORK + ("import fakefork.server as s, importlib, sys\n"
-                   "sys.modules.pop('fakefork.server'); importlib.import_module('fakefork.server')\n"
+                   "sys.modules.pop('fakefork.server')\n"
+                   "importlib.import_module('fakefork.server')\n"
                    "s.entry()\n")
     r = run_python(code, tmp_path)
     assert r.returncode == 0, r.stderr
@@ -197,7 +197,8 @@ def test_a_recognized_host_says_one_line_on_import_and_is_left_alone(tmp_path):
 def test_python_dash_m_of_a_recognized_host_runs_its_own_main_block(tmp_path, disable):
     """Not the stand-in that calls ``main()``: the module's own code, as ``__main__``."""
     make_fork(tmp_path)
-    code = FORK + "import runpy\nrunpy.run_module('fakefork.server', run_name='__main__', alter_sys=True)\n"
+    code = FORK + ("import runpy\n"
+                   "runpy.run_module('fakefork.server', run_name='__main__', alter_sys=True)\n")
     r = run_python(code, tmp_path, KVPLUGIN_DISABLE=disable)
     assert r.returncode == 0, r.stderr
     out = parse(r.stdout)

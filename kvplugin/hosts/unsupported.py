@@ -63,4 +63,5 @@ def on_import(module: Any) -> None:
             adapter.install(module)
 
 
-__all__ = ["ADAPTERS", "RAPID_MLX", "NoVersion", "UnsupportedHostAdapter", "adapter_for", "on_import"]
+__all__ = ["ADAPTERS", "RAPID_MLX", "NoVersion", "UnsupportedHostAdapter", "adapter_for",
+           "on_import"]

@@ -115,7 +115,8 @@ class VllmMlxAdapter(HostAdapter):
             return None
         owners = [n for n in owner_names(Path(path)) if n != self.distribution]
         if owners:
-            return f"the imported vllm_mlx.cli ({path}) belongs to {', '.join(owners)}, not vllm-mlx"
+            return (f"the imported vllm_mlx.cli ({path}) belongs to {', '.join(owners)}, "
+                    "not vllm-mlx")
         if dist is None:
             return f"{self.distribution} is not installed (vllm_mlx.cli is {path})"
         return f"the imported vllm_mlx.cli ({path}) is not a file of vllm-mlx"
