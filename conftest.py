@@ -11,10 +11,10 @@ counted in pytest's summary, never skipped.
 
 from __future__ import annotations
 
-from kvplugin.hostspecs import BUILTIN_HOSTS
+from kvplugin.hostspecs import BUILTIN_HOSTS, KNOWN_HOSTS
 
 # "mlx-lm" -> "test_mlx_lm": from the declared hosts
-HOST_PREFIXES = {decl.name: "test_" + decl.name.replace("-", "_") for decl in BUILTIN_HOSTS}
+HOST_PREFIXES = {decl.name: "test_" + decl.name.replace("-", "_") for decl in KNOWN_HOSTS}
 
 
 def pytest_addoption(parser):

@@ -21,10 +21,13 @@ from __future__ import annotations
 import os
 import sys
 
-from kvplugin.hostspecs import BUILTIN_HOSTS
+from kvplugin.hostspecs import KNOWN_HOSTS, UNSUPPORTED_HOSTS
 
 # host module -> adapter module (with an ``on_import(module)`` function)
-TRIGGERS: dict[str, str] = {decl.trigger_module: decl.adapter_module for decl in BUILTIN_HOSTS}
+TRIGGERS: dict[str, str] = {decl.trigger_module: decl.adapter_module for decl in KNOWN_HOSTS}
+# trigger modules of hosts kvplugin recognizes and never patches: ``python -m`` runs their own
+# code, after the start-up line
+STOCK_MAIN: set[str] = {decl.trigger_module for decl in UNSUPPORTED_HOSTS}
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -58,7 +61,16 @@ class _TriggerLoader:
         way (the trigger patches it, exactly as for the console script) and call its
         ``main()``, which is what the module's own ``if __name__ == "__main__"`` does. A
         module without a ``main()`` runs its own code, stock, and says so once.
+
+        A host kvplugin never patches (:data:`STOCK_MAIN`) runs its own code as ``__main__``
+        (its ``if __name__ == "__main__"`` may call something else than ``main()``), after
+        its adapter has said the start-up line.
         """
+        if fullname in STOCK_MAIN:
+            import types
+
+            run_trigger(self._adapter, types.ModuleType(fullname))
+            return self._loader.get_code(fullname)
         if disabled():
             return self._loader.get_code(fullname)
         source = (

@@ -16,6 +16,10 @@ Everything else that needs a host's facts reads them from here:
   entry points and ``tox.ini`` agree with :attr:`~HostDeclaration.supported` and
   :attr:`~HostDeclaration.tested`.
 
+A server kvplugin recognizes but does not back (rapid-mlx) is an :class:`UnsupportedHost`:
+the bootstrap triggers on it too, its adapter only says that the server runs stock, and
+:data:`KNOWN_HOSTS` is both kinds.
+
 A third host shipped as its own plugin declares itself the same way in its own package,
 lists its adapter under the ``kvplugin.hosts`` entry-point group, and activates its
 trigger from its own ``.pth`` with :func:`kvplugin._bootstrap.register`.
@@ -134,6 +138,69 @@ VLLM_MLX = HostDeclaration(
 )
 
 BUILTIN_HOSTS: tuple[HostDeclaration, ...] = (MLX_LM, VLLM_MLX)
+
+
+class UnsupportedHost:
+    """A server kvplugin recognizes and never patches: at start-up it says, in one line,
+    that the server runs stock (silence would look like kvplugin working).
+
+    Declared here, beside the backed hosts, so that the bootstrap triggers on it,
+    ``kvplugin info`` lists it (``supported range: none``) and the tox matrix proves the
+    line on its real server.
+    """
+
+    __slots__ = ("name", "distribution", "trigger_module", "adapter", "console_script",
+                 "launch", "launch_env", "tox_prefix", "tested")
+
+    def __init__(self, *, name: str, distribution: str, trigger_module: str, adapter: str,
+                 console_script: str, launch: tuple[str, ...],
+                 launch_env: dict[str, str] | None = None, tox_prefix: str = "",
+                 tested: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.distribution = distribution
+        # a module every server start-up of the host imports (its --help need not)
+        self.trigger_module = trigger_module
+        self.adapter = adapter  # "module:attribute"; the module has on_import(module)
+        self.console_script = console_script
+        self.launch = launch  # as HostDeclaration.launch (the integration test starts it)
+        self.launch_env = dict(launch_env or {})
+        self.tox_prefix = tox_prefix
+        self.tested = tested  # the versions whose start-up line the tox matrix proves
+
+    def __repr__(self) -> str:
+        return f"UnsupportedHost(name={self.name!r})"
+
+    @property
+    def adapter_module(self) -> str:
+        return self.adapter.partition(":")[0]
+
+    def tox_envs(self) -> list[str]:
+        return [f"{self.tox_prefix}-{''.join(v.split('.'))}" for v in self.tested]
+
+
+RAPID_MLX = UnsupportedHost(
+    name="rapid-mlx",
+    distribution="rapid-mlx",
+    # A vllm-mlx fork: its own `vllm-mlx` script runs rapid_mlx.cli, never vllm_mlx.cli, and
+    # its `vllm_mlx` package is a redirect to rapid_mlx. Every way it serves (`vllm-mlx
+    # serve`, `rapid-mlx serve`, `python -m rapid_mlx.server`) imports rapid_mlx.server.
+    # Releases 0.14.2 and earlier ship the real package as `vllm_mlx`: the vllm-mlx adapter
+    # finds them by file ownership and says this host's line.
+    trigger_module="rapid_mlx.server",
+    adapter="kvplugin.hosts.unsupported:RAPID_MLX",
+    console_script="vllm-mlx",
+    launch=("serve", "{model}", "--host", "{host}", "--port", "{port}",
+            "--served-model-name", "{served_model_name}"),
+    # no usage reporting, no release check: nothing leaves the machine
+    launch_env={"RAPID_MLX_TELEMETRY": "0", "RAPID_MLX_DISABLE_VERSION_CHECK": "1"},
+    tox_prefix="rapid",
+    tested=("0.16.10",),
+)
+
+UNSUPPORTED_HOSTS: tuple[UnsupportedHost, ...] = (RAPID_MLX,)
+
+#: Every host the bootstrap triggers on and ``kvplugin info`` lists.
+KNOWN_HOSTS: tuple[HostDeclaration | UnsupportedHost, ...] = BUILTIN_HOSTS + UNSUPPORTED_HOSTS
 
 
 def declaration(name: str) -> HostDeclaration:

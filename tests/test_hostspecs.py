@@ -20,7 +20,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from kvplugin import hosts
-from kvplugin.hostspecs import BUILTIN_HOSTS, declaration
+from kvplugin.hostspecs import BUILTIN_HOSTS, KNOWN_HOSTS, UNSUPPORTED_HOSTS, declaration
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -62,7 +62,7 @@ def test_tox_envs_are_the_declared_tested_versions():
     parser = configparser.ConfigParser(interpolation=None)
     parser.read_string(TOX)
     env_list = parser["tox"]["env_list"].split()
-    assert env_list == [env for decl in BUILTIN_HOSTS for env in decl.tox_envs()]
+    assert env_list == [env for decl in KNOWN_HOSTS for env in decl.tox_envs()]
 
 
 @pytest.mark.parametrize("decl", BUILTIN_HOSTS, ids=lambda d: d.name)
@@ -72,6 +72,14 @@ def test_tox_pins_are_tested_and_inside_the_declared_range(decl):
     assert host_pins == sorted(decl.tested, key=Version)
     for version in decl.tested:
         assert Version(version) in SpecifierSet(decl.supported), version
+
+
+@pytest.mark.parametrize("decl", UNSUPPORTED_HOSTS, ids=lambda d: d.name)
+def test_tox_pins_a_recognized_host_at_its_tested_versions(decl):
+    """A host kvplugin recognizes and does not back: tox proves its start-up line on the
+    versions the declaration names (they are no supported range)."""
+    pins = re.findall(rf"\b{re.escape(decl.distribution)}==([0-9][0-9.]*[0-9])\b", TOX)
+    assert pins and sorted(set(pins), key=Version) == sorted(decl.tested, key=Version)
 
 
 def test_readme_install_pins_are_supported():
@@ -131,7 +139,8 @@ def test_a_third_host_is_found_through_the_entry_point_group(monkeypatch):
     monkeypatch.setattr(md, "entry_points", entry_points)
     assert hosts.get_adapter("third-host") is module.ADAPTER
     assert [a.name for a in hosts.all_adapters()] == [*(d.name for d in BUILTIN_HOSTS),
-                                                      "third-host"]
+                                                      "third-host",
+                                                      *(d.name for d in UNSUPPORTED_HOSTS)]
     with pytest.raises(KeyError, match="third-host"):
         hosts.get_adapter("fourth-host")
 

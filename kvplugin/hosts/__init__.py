@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from kvplugin.hostspecs import BUILTIN_HOSTS
+from kvplugin.hostspecs import KNOWN_HOSTS
 
 if TYPE_CHECKING:
     from kvplugin.hosts.base import HostAdapter
@@ -24,13 +24,13 @@ ENTRY_POINT_GROUP = "kvplugin.hosts"
 
 def adapter_paths() -> dict[str, str]:
     """Host name -> ``"module:attribute"`` of its adapter: the entry points, in the order
-    found, then any built-in host the installed metadata does not list."""
+    found, then any built-in or recognized host the installed metadata does not list."""
     from importlib.metadata import entry_points
 
     found: dict[str, str] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(ep.name, ep.value)
-    for decl in BUILTIN_HOSTS:
+    for decl in KNOWN_HOSTS:
         found.setdefault(decl.name, decl.adapter)
     return found
 

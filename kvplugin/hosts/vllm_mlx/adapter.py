@@ -47,13 +47,13 @@ from kvplugin.log import say
 
 
 def distribution_owns(dist: importlib.metadata.Distribution, path: Path) -> bool:
-    """True if ``path`` (a file of the imported package) is one of ``dist``'s files."""
+    """True if ``path`` (a module's file) is one of ``dist``'s installed files."""
     try:
         target = path.resolve()
     except OSError:
         return False
     for f in dist.files or ():
-        if f.name == path.name and f.parts[:1] == ("vllm_mlx",):
+        if f.name == path.name:
             try:
                 if Path(dist.locate_file(f)).resolve() == target:
                     return True
@@ -69,6 +69,13 @@ def distribution_owns(dist: importlib.metadata.Distribution, path: Path) -> bool
         root = Path(url[len("file://") :]).resolve()
         return root in target.parents
     return False
+
+
+def owner_names(path: Path) -> list[str]:
+    """The normalized names of the installed distributions that list ``path`` as a file."""
+    names = (d.metadata["Name"] for d in importlib.metadata.distributions()
+             if distribution_owns(d, path))
+    return sorted({n.lower().replace("_", "-") for n in names if n})
 
 
 def serve_subparser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser | None:
@@ -94,24 +101,43 @@ class VllmMlxAdapter(HostAdapter):
         self._at_exit: Callable[[], None] | None = None
 
     def check_identity(self, module: Any) -> str | None:
-        """``vllm_mlx`` must be the ``vllm-mlx`` distribution's (rapid-mlx ships one too)."""
+        """``vllm_mlx.cli`` must be a file of the ``vllm-mlx`` distribution: rapid-mlx ships
+        a ``vllm_mlx`` package too (its real one in 0.14.2 and earlier, a redirect since),
+        and a package by the right name is not the host whose seams kvplugin knows."""
         path = getattr(module, "__file__", None)
         if not path:
             return "vllm_mlx.cli has no __file__"
         try:
             dist = importlib.metadata.distribution(self.distribution)
         except importlib.metadata.PackageNotFoundError:
-            return f"{self.distribution} is not installed"
-        if not distribution_owns(dist, Path(path)):
-            owners = [
-                d.metadata["Name"]
-                for d in importlib.metadata.distributions()
-                if d.metadata["Name"] not in (None, self.distribution)
-                and distribution_owns(d, Path(path))
-            ]
-            by = f" (it belongs to {', '.join(owners)})" if owners else ""
-            return f"the imported vllm_mlx ({Path(path).parent}) is not vllm-mlx's{by}"
-        return None
+            dist = None
+        if dist is not None and distribution_owns(dist, Path(path)):
+            return None
+        owners = [n for n in owner_names(Path(path)) if n != self.distribution]
+        if owners:
+            return (f"the imported vllm_mlx.cli ({path}) belongs to {', '.join(owners)}, "
+                    "not vllm-mlx")
+        if dist is None:
+            return f"{self.distribution} is not installed (vllm_mlx.cli is {path})"
+        return f"the imported vllm_mlx.cli ({path}) is not a file of vllm-mlx"
+
+    def support_problem(self, module: Any = None) -> str | None:
+        """Identity first: a fork's version number says nothing about vllm-mlx's range."""
+        problem = self.check_identity(module) if module is not None else None
+        return problem or super().support_problem()
+
+    def install(self, module: Any) -> bool:
+        """A ``vllm_mlx`` of a host kvplugin recognizes (rapid-mlx 0.14.2 and earlier) says
+        that host's start-up line instead of a vllm-mlx one."""
+        if self.check_identity(module) is not None:
+            from kvplugin.hosts.unsupported import adapter_for
+
+            path = getattr(module, "__file__", None)
+            for name in owner_names(Path(path)) if path else ():
+                recognized = adapter_for(name)
+                if recognized is not None:
+                    return recognized.install(module)
+        return super().install(module)
 
     # -- stage 1: the CLI -----------------------------------------------------------------
     def apply(self, module: Any, patches: PatchRegistry) -> None:
