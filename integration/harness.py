@@ -223,3 +223,112 @@ def quantized_size_bound(entry: Mapping[str, Any], quantization: Mapping[str, An
     kept = entry["full_precision_tokens"]
     assert kept <= min(n, quantization["sink_tokens"] + 9 * quantization["recent_tokens"]), entry
     return keys + values + kept * dense / n + 64
+
+
+# --------------------------------------------------------------------------- #
+# start-ups that must fail
+
+
+def failed_start(args: list[str], port: int, env: Mapping[str, str | None] | None = None,
+                 timeout: float = 120.0) -> tuple[Any, bool]:
+    """Run a server command that must stop at start-up, connecting to its ``port`` every
+    20 ms while it runs: ``(the finished process, whether the port ever accepted)``. A
+    server that accepts is stopped at once (it did not stop by itself), as is one still
+    running after ``timeout`` seconds."""
+    import contextlib
+    import signal
+    import socket
+    import subprocess
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from kvplugin.tools.hostproc import HOST, server_env
+
+    with tempfile.TemporaryDirectory(prefix="kvplugin-start-") as tmp:
+        home = Path(tmp) / "home"
+        home.mkdir()
+        with open(Path(tmp) / "out", "w+") as out, open(Path(tmp) / "err", "w+") as err:
+            proc = subprocess.Popen([str(a) for a in args], env=server_env(home, env), cwd=home,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True)
+            accepted, deadline = False, time.monotonic() + timeout
+            try:
+                while proc.poll() is None and not accepted and time.monotonic() < deadline:
+                    try:
+                        socket.create_connection((HOST, port), timeout=0.05).close()
+                        accepted = True
+                    except OSError:
+                        time.sleep(0.02)
+            finally:
+                with contextlib.suppress(ProcessLookupError):  # the group, children included
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            out.seek(0)
+            err.seek(0)
+            return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(),
+                                               err.read()), accepted
+
+
+def as_plain_user(args: list[str]) -> list[str]:
+    """``args`` run without root's way around file modes: as root (CI, this machine) behind
+    ``setpriv`` with CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH dropped, so a mode-000
+    directory cannot be listed and a mode-555 one cannot be written, as for any user; as any
+    other user, unchanged. Files the server needs must be its owner's (they are: root's)."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return list(args)
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "setpriv (util-linux) is needed to run a server as root without DAC override"
+    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--", *args]
+
+
+#: The ways an ``--ssd-cache-dir`` cannot be used at all (see :func:`unusable_ssd_dir`).
+UNUSABLE_SSD_DIRS = ("cannot-be-created", "a-file", "unreadable")
+
+
+def unusable_ssd_dir(kind: str, where: Any) -> tuple[str, Callable[[list[str]], list[str]]]:
+    """An SSD directory the tier cannot use, made under ``where`` (a pytest tmp_path), and
+    how to wrap the server command so it meets it as the user it is meant for:
+    ``cannot-be-created`` is under ``/proc`` (no one creates directories there, root
+    included); ``a-file`` is a regular file; ``unreadable`` is mode 000, met without root's
+    way around file modes (:func:`as_plain_user`)."""
+    import uuid
+    from pathlib import Path
+
+    if kind == "cannot-be-created":
+        return f"/proc/kvplugin-{uuid.uuid4().hex[:8]}/kv", list
+    path = Path(where) / "kv"
+    if kind == "a-file":
+        path.write_text("not a directory\n")
+        return str(path), list
+    assert kind == "unreadable", kind
+    path.mkdir()
+    path.chmod(0o000)
+    return str(path), as_plain_user
+
+
+def assert_refused_ssd_dir(result: Any, accepted: bool, given: str) -> None:
+    """The start-up stopped as a bad ``--ssd-cache-dir`` must: exit 2 before the port ever
+    accepted, naming the flag, the variable and how the value was given (``given``)."""
+    err = " ".join(result.stderr.split())
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert not accepted, "the port accepted a connection before the server stopped"
+    assert "--ssd-cache-dir" in err and "KVPLUGIN_SSD_CACHE_DIR" in err, result.stderr[-3000:]
+    assert given in err, (given, result.stderr[-3000:])
+    assert "runs stock" not in err, result.stderr[-3000:]
+
+
+def wait_cold_tier(srv: ServerProcess, key: str, n: int, timeout: float = 15.0) -> dict:
+    """The cold tier's stats once its counter ``key`` reached ``n`` (hosts store and spill
+    after answering); fails when it does not in ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        tier = srv.get("/kvplugin/stats")["cold_tier"]
+        if tier[key] >= n:
+            return tier
+        assert time.monotonic() < deadline, (key, n, tier)
+        time.sleep(0.1)

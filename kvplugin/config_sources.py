@@ -52,14 +52,16 @@ class ConfigFile:
 
     path: Path
     table: tuple[str, ...]  # () for kvplugin.toml, ("tool", "kvplugin") for pyproject
+    variable: str = ""  # the variable that named it (KVPLUGIN_CONFIG), if one did
 
     def read(self) -> dict:
-        """The kvplugin table as a dict (parse errors name the file)."""
+        """The kvplugin table as a dict (parse errors name the file, and the variable)."""
         try:
             with self.path.open("rb") as fh:
                 data = tomllib.load(fh)
         except OSError as exc:
-            raise ConfigFileError(f"cannot read {self.path}: {exc.strerror}") from None
+            named = f" ({self.variable})" if self.variable else ""
+            raise ConfigFileError(f"cannot read {self.path}{named}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigFileError(f"{self.path} is not valid TOML: {exc}") from None
         for key in self.table:
@@ -91,9 +93,10 @@ def find_config_file(cwd: Path | None = None) -> ConfigFile | None:
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
-            raise ConfigFileError(f"{CONFIG_ENV}={explicit!r}: no such file")
+            why = "a directory, not a file" if path.is_dir() else "no such file"
+            raise ConfigFileError(f"{CONFIG_ENV}={explicit!r}: {why}")
         table = PYPROJECT_TABLE if path.name == "pyproject.toml" else ()
-        return ConfigFile(path, table)
+        return ConfigFile(path, table, CONFIG_ENV)
     here = Path.cwd() if cwd is None else cwd
     if (here / "kvplugin.toml").is_file():
         return ConfigFile(here / "kvplugin.toml", ())

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -356,21 +356,16 @@ class KVPluginSettings(BaseSettings):
 
     @field_validator("ssd_cache_dir")
     @classmethod
-    def _writable_dir(cls, v: Path | None) -> Path | None:
+    def _usable_dir(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        """Tried before the server listens (created? listed? written?), nothing left behind;
+        not under --hot-cache-only, which does not use it (a notice says so)."""
         if v is None:
             return None
         v = v.expanduser()
-        probe = v
-        while not probe.exists():
-            if probe.parent == probe:
-                break
-            probe = probe.parent
-        if probe.exists() and not probe.is_dir():
-            raise ValueError(f"{probe} is not a directory")
-        if probe == v and os.access(v, os.R_OK | os.X_OK):
-            return v  # an existing directory, maybe read-only: its entries are still served
-        if not os.access(probe, os.W_OK | os.X_OK):
-            raise ValueError(f"{probe} is not writable")
+        if not info.data.get("hot_cache_only"):
+            from kvplugin.cache.tiers.ssd_dir import usable_directory
+
+            usable_directory(v)  # ValueError says why; read-only is served (the tier says so)
         return v
 
     @property
@@ -442,7 +437,7 @@ def shown_value(field: str, value: Any) -> Any:
     """A setting's value as kvplugin prints it: a URL's password never leaves the process."""
     if field == "kv_cache_remote" and isinstance(value, str):
         return masked_url(value)
-    return value
+    return str(value) if isinstance(value, Path) else value
 
 
 def option_info(field: str) -> OptionInfo:

@@ -121,3 +121,41 @@ def test_not_installed_distribution():
         distribution = "no-such-distribution-kvp"
 
     assert "not installed" in Absent().support_problem()
+
+
+def _pm_with(monkeypatch, *extra):
+    from kvplugin import plugins
+
+    pm = plugins.create_plugin_manager(load_entry_points=False)
+    for plugin in extra:
+        pm.register(plugin)
+    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+
+
+def test_a_session_that_cannot_be_built_is_a_settings_error(monkeypatch):
+    # never a reason to serve stock: what fails here is the configuration or a plugin
+    from kvplugin.hookspecs import hookimpl
+    from kvplugin.settings import SettingsError, resolve_settings
+
+    class Broken:
+        @hookimpl
+        def kvplugin_configure(self, settings, host):
+            raise RuntimeError("plugin bug")
+
+    _pm_with(monkeypatch, Broken())
+    with pytest.raises(SettingsError, match=r"prompt store \(RuntimeError: plugin bug\)"):
+        FakeAdapter().make_session(resolve_settings(), max_bytes=None, max_entries=None)
+
+
+def test_an_ssd_dir_gone_bad_after_the_check_names_flag_and_variable(monkeypatch):
+    from pathlib import Path
+
+    from kvplugin.settings import SettingsError, resolve_settings
+
+    _pm_with(monkeypatch)
+    settings = resolve_settings().model_copy(  # as if it changed after the settings' check
+        update={"ssd_cache_dir": Path("/proc/kvplugin-test/kv")})
+    with pytest.raises(SettingsError) as exc:
+        FakeAdapter().make_session(settings, max_bytes=None, max_entries=None)
+    assert "--ssd-cache-dir / KVPLUGIN_SSD_CACHE_DIR" in str(exc.value)
+    assert "/proc/kvplugin-test/kv" in str(exc.value)

@@ -145,3 +145,19 @@ def test_defaults_imply_nothing():
     s = resolve_settings()
     assert s.kv_cache_quantization is False
     assert notices(s, setting_sources()) == []
+
+
+def test_explicit_config_that_is_a_directory_or_unreadable_names_the_variable(in_tmp, monkeypatch):
+    monkeypatch.setenv("KVPLUGIN_CONFIG", str(in_tmp))
+    with pytest.raises(SettingsError, match="KVPLUGIN_CONFIG=.*a directory, not a file"):
+        resolve_settings()
+    config = in_tmp / "kv.toml"
+    config.write_text("max_kv_size = 5\n")
+    monkeypatch.setenv("KVPLUGIN_CONFIG", str(config))
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(config), "open", refuse)
+    with pytest.raises(SettingsError, match=r"cannot read .*kv.toml \(KVPLUGIN_CONFIG\): Perm"):
+        resolve_settings()

@@ -32,8 +32,13 @@ def kvplugin_store_backend(settings: KVPluginSettings) -> ColdTier | None:
     tiers: list = []
     if settings.ssd_cache_dir is not None:
         from kvplugin.cache.tiers.ssd import SSDTier
+        from kvplugin.settings import SettingsError
 
-        tiers.append(SSDTier(settings.ssd_cache_dir, max_bytes=settings.ssd_cache_max_bytes))
+        try:
+            tiers.append(SSDTier(settings.ssd_cache_dir, max_bytes=settings.ssd_cache_max_bytes))
+        except OSError as e:  # checked at start-up; changed since (another process, a mount)
+            raise SettingsError(f"kvplugin: --ssd-cache-dir / KVPLUGIN_SSD_CACHE_DIR: cannot use "
+                                f"{settings.ssd_cache_dir}: {e.strerror or e}") from None
     if settings.remote_url is not None:
         from kvplugin.cache.tiers.remote import RemoteTier
 

@@ -158,7 +158,11 @@ class HostAdapter:
         return self.check_identity(module) if module is not None else None
 
     def install(self, module: Any) -> bool:
-        """Patch the host once; on an unsupported host or any error, leave it stock."""
+        """Patch the host once; on an unsupported host or any error, leave it stock.
+
+        Only for the host's shape (a seam missing, a version not known): ``apply`` patches and
+        never reads the user's settings, which are resolved and checked later, at start-up,
+        where a bad value stops the server (:func:`fail_start`) and is never served around."""
         with self._lock:
             if self.installed:
                 return True
@@ -188,12 +192,21 @@ class HostAdapter:
     def make_session(self, settings: Any, *, max_bytes: int | None,
                      max_entries: int | None) -> Any:
         """The process's :class:`~kvplugin.cache.session.KVService`, on the plugin manager's
-        hook relay. Raises ``SettingsError`` when a plugin refuses the configuration."""
+        hook relay. Raises ``SettingsError`` for every failure: what fails here is the user's
+        configuration or a plugin (a plugin refusing it, a tier that cannot be set up), never
+        a host seam, so the host stops (exit 2, the message) instead of serving stock."""
         from kvplugin.cache.session import KVService
         from kvplugin.plugins import get_plugin_manager
+        from kvplugin.settings import SettingsError
 
-        return KVService(settings, host=self.name, hook=get_plugin_manager().hook,
-                         max_bytes=max_bytes, max_entries=max_entries)
+        try:
+            return KVService(settings, host=self.name, hook=get_plugin_manager().hook,
+                             max_bytes=max_bytes, max_entries=max_entries)
+        except SettingsError:
+            raise
+        except Exception as exc:
+            raise SettingsError(f"kvplugin: cannot set up the prompt store "
+                                f"({type(exc).__name__}: {exc})") from exc
 
     def model_problem(self, model: Any, settings: Any, given_flags: Any = ()) -> str | None:
         """The session's model check (group size vs head dimension), one message."""

@@ -411,10 +411,8 @@ class MlxLmAdapter(HostAdapter):
                     fail_start(problem)
             try:
                 service = adapter.create_service(max_bytes=max_bytes, max_entries=max_entries)
-            except SettingsError as err:
+            except SettingsError as err:  # any failure to build it (HostAdapter.make_session)
                 fail_start(str(err))
-            except OSError as err:  # e.g. the cold tier's directory cannot be created
-                fail_start(f"kvplugin: cannot set up the prompt store: {err}")
             bits = getattr(cli, "kv_bits", None)
             if bits is not None:  # the host quantizes its live caches: hand matching layers back
                 service.live_quantization = (int(bits), int(getattr(cli, "kv_group_size", 64)),

@@ -240,8 +240,9 @@ class VllmMlxAdapter(HostAdapter):
         """Patch the serving seams (all or none). False: the host serves stock.
 
         A ``SettingsError`` (a plugin's ``kvplugin_configure`` refusing the configuration,
-        or a broken plugin) stops the server as on every host: serving stock would ignore
-        what the user asked for.
+        a broken plugin, any failure to build the session: ``make_session``) stops the
+        server as on every host: serving stock would ignore what the user asked for. Only
+        a seam failing falls back to stock.
         """
         from kvplugin.settings import SettingsError
 
