@@ -35,6 +35,7 @@ from typing import Any
 from kvplugin.cache.index import to_key
 from kvplugin.cache.layers import copy_prefix, entry_nbytes
 from kvplugin.cache.serialize import Unsupported
+from kvplugin.cache.tiers.refusals import Refusals
 from kvplugin.cache.tiers.remote_keys import Namespace
 from kvplugin.cache.tiers.remote_wire import Corrupt, decode, encode, seal
 from kvplugin.settings import masked_url
@@ -92,6 +93,7 @@ class RemoteTier:
         self._writes = _client(url, self.fetch_timeout_s, self.timeout_s)  # nobody waits
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._refusals = Refusals(f"remote tier {self.url}")
         self._fetch_seconds = 0.0
         self._fetches = 0
         self._down_until = 0.0
@@ -206,14 +208,15 @@ class RemoteTier:
             self._pending += size
         try:
             buf, trimmable = encode(ns.name, tokens, cache)
-        except (Unsupported, AttributeError, TypeError) as e:
-            log.debug("kvplugin: not publishing entry: %s", e)
+        except Unsupported as e:
             self._count("refused")
+            self._refusals.unsupported(e, "shares")
             self._count_pending(-size)
             return False
         except Exception:
             log.exception("kvplugin: remote tier could not serialize an entry")
             self._count("refused")
+            self._refusals.count("serialize_failed")
             self._count_pending(-size)
             return False
         ends = ns.pointer_keys(tokens)
@@ -380,6 +383,7 @@ class RemoteTier:
             out["remote_fetch_seconds"] = round(self._fetch_seconds, 6)
             out["remote_connected"] = int(self._backoff == 0 and not self._closed)
             out["remote_queued_bytes"] = self._pending
+        out["remote_refused_by_reason"] = self._refusals.by_reason()
         out["remote_url"] = self.url
         return out
 

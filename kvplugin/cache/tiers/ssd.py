@@ -35,8 +35,10 @@ Layout and format
 * Supported layer kinds: ``KVCache``, ``QuantizedKVCache``, ``RotatingKVCache``,
   ``ChunkedKVCache``, ``ConcatenateKVCache``, ``ArraysCache``, ``CacheList`` and
   their subclasses whose extra instance attributes are plain scalars, and kvplugin's
-  ``QuantizedRotatingKVCache`` (a rotating layer stored quantized).  ``put`` of
-  anything else returns False.  On load the real class is used if its module is
+  ``QuantizedRotatingKVCache`` (a rotating layer stored quantized); a bounded
+  ``PreallocatedRotatingKVCache`` is stored without its undo log (see
+  :mod:`kvplugin.cache.serialize`).  ``put`` of anything else returns False, is counted
+  by reason (``refused_by_reason``: ``unsupported:<class>``) and said once.  On load the real class is used if its module is
   already imported (nothing is imported from file data) and it subclasses the
   recorded kind; otherwise the kind's mlx-lm class.
 
@@ -100,6 +102,7 @@ import mlx.core as mx
 from kvplugin.cache.index import KeyIndex, to_key, tokens_bytes
 from kvplugin.cache.layers import can_copy_prefix, copy_prefix
 from kvplugin.cache.serialize import Corrupt, Unsupported, deserialize_cache, serialize_cache
+from kvplugin.cache.tiers.refusals import Refusals
 from kvplugin.cache.tiers.ssd_dir import DirView, dir_lock, leftover_name, make_room, scan
 
 __all__ = ["SSDTier"]
@@ -252,6 +255,7 @@ class SSDTier:
         self._disk_bytes: int | None = None  # the whole directory at the last scan
         self._symlinks = 0  # entry-named symlinks (and links in place of subdirectories) seen
         self._last_failure_log = float("-inf")
+        self._refusals = Refusals(f"cold tier {self.directory}")
         if not self.directory.exists():
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.read_only = not os.access(self.directory, os.W_OK | os.X_OK)
@@ -278,16 +282,26 @@ class SSDTier:
         with self._lock:
             self.counters[name] += 1
 
+    def _refuse(self, reason: str, say: str | None = None) -> None:
+        """An entry not written: ``refused``, and by reason (said once with ``say``)."""
+        self._count("refused")
+        self._refusals.count(reason, say)
+
+    def _over_budget(self, size: int) -> str:
+        return (f"stores no entry larger than its budget ({size} > {self.max_bytes} bytes, "
+                "--ssd-cache-max-gb); such entries are dropped when evicted")
+
     def stats(self) -> dict:
         """Counters: entries, bytes (this process's index), disk_bytes (the whole directory,
         every process and model, at the last scan), puts, refused, hits (files consumed),
         copies (prefix copies), misses, evictions (any process's entries this one removed for
         the shared budget), superseded, corrupt (files removed), unreadable (I/O errors on
-        read), write_failures, leftovers_removed (dead writers' temp files), symlinks."""
+        read), write_failures, leftovers_removed (dead writers' temp files), symlinks;
+        refused_by_reason (see :mod:`kvplugin.cache.tiers.refusals`)."""
         with self._lock:
             return {"entries": len(self._index), "bytes": self._index.nbytes,
                     "disk_bytes": self._disk_bytes, "symlinks": self._symlinks,
-                    **self.counters}
+                    **self.counters, "refused_by_reason": self._refusals.by_reason()}
 
     def close(self) -> None:
         """Stop using the directory (files stay for the next process)."""
@@ -407,16 +421,16 @@ class SSDTier:
         if self._closed or not key or not cache:
             return False
         if self.read_only:
-            self._count("refused")
+            self._refuse("read_only")  # said when the tier started
             return False
         try:
             arrays, layers = serialize_cache(cache)
-        except (Unsupported, AttributeError) as e:
-            log.debug("kvplugin: not spilling entry: %s", e)
+        except Unsupported as e:
             self._count("refused")
+            self._refusals.unsupported(e, "stores")
             return False
-        if sum(a.nbytes for a in arrays.values()) > self.max_bytes:
-            self._count("refused")
+        if (size := sum(a.nbytes for a in arrays.values())) > self.max_bytes:
+            self._refuse("over_budget", self._over_budget(size))
             return False
         trimmable = can_copy_prefix(cache, len(key))
         arrays[TOKENS] = mx.array(key, dtype=mx.int64)
@@ -433,6 +447,7 @@ class SSDTier:
         mdir = self.directory / mdir_name
         name = _key_name(key)
         if not self._secure_dir(mdir, create=True):
+            self._refuse("not_our_directory")  # said by _secure_dir
             return False
         need = sum(a.nbytes for a in arrays.values()) + (1 << 16)  # + header, roughly
         tmp = mdir / leftover_name("tmp", SUFFIX)
@@ -453,6 +468,10 @@ class SSDTier:
                 if size > self.max_bytes or self._closed:  # refused, not a failed write
                     _unlink(tmp)
                     self.counters["refused"] += 1
+                    if size > self.max_bytes:
+                        self._refusals.count("over_budget", self._over_budget(size))
+                    else:
+                        self._refusals.count("closed")
                     return False
                 os.replace(tmp, mdir / name)
                 self._writing.discard(tmp)
@@ -493,6 +512,7 @@ class SSDTier:
     def _write_failed(self, e: Exception) -> None:
         """Count a failed spill; say so at most once a minute (a full disk fails every one)."""
         now = time.monotonic()
+        self._refusals.count("write_failed")  # said below, at most once a minute
         with self._lock:
             self.counters["refused"] += 1
             self.counters["write_failures"] += 1
