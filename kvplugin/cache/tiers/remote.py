@@ -221,7 +221,11 @@ class RemoteTier:
             return False
         ends = ns.pointer_keys(tokens)
         pointers = [p for _, p in (ends if trimmable else ends[-1:])]
-        self._jobs.put(("set", key, pointers, buf, size))
+        # An entry that cannot be cut serves only prompts that extend it whole, so it takes
+        # no pointer another entry holds: the first one there (a conversation's shortest:
+        # its system prompt, then its prompt, before prompt + reply) is the one more prompts
+        # extend. A pointer whose value is gone is deleted by the reader that finds it.
+        self._jobs.put(("set" if trimmable else "set-nx", key, pointers, buf, size))
         with self._lock:
             self._published[key] = now
             self._published.move_to_end(key)
@@ -254,7 +258,7 @@ class RemoteTier:
                 pipe = self._writes.pipeline(transaction=False)
                 pipe.set(key, view, ex=self.ttl_s)
                 for p in pointers:  # the value's size rides along: checked before a GET
-                    pipe.set(p, f"{key}|{len(view)}", ex=self.ttl_s)
+                    pipe.set(p, f"{key}|{len(view)}", ex=self.ttl_s, nx=kind == "set-nx")
                 pipe.execute()
                 with self._lock:
                     self.counters["puts"] += 1
@@ -281,7 +285,7 @@ class RemoteTier:
         """On the pool: MGET every pointer, then GET the deepest one's value, if that
         pointer promises more than the ``have`` tokens the caller holds already."""
         names = self._lookup.mget([p for _, p in pointers])
-        for (end, _), name in zip(reversed(pointers), reversed(names)):
+        for (end, pointer), name in zip(reversed(pointers), reversed(names)):
             if name:
                 if end <= have:
                     return None
@@ -292,6 +296,7 @@ class RemoteTier:
                 raw = self._values.get(key)
                 if raw is None:  # the value expired or was evicted before its pointer
                     self._count("stale")
+                    self._jobs.put(("delete", pointer, None, None, 0))  # free for the next
                     return None
                 return key, raw
         return None
