@@ -1,13 +1,17 @@
 """A tier that refuses an entry says so once, naming the layer class and why, and counts it by
-reason (``refused_by_reason``)."""
+reason (``refused_by_reason``), which ``kvplugin info --server URL`` shows too."""
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from kvplugin import cli
 from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.serialize import Unsupported, serialize_cache
 from kvplugin.cache.tiers.ssd import SSDTier
@@ -88,3 +92,50 @@ def test_a_layer_the_remote_tier_cannot_hold_is_said_once_and_counted_by_reason(
     lines = _refusal_lines(capsys.readouterr().err, "TaggedKVCache", "remote tier")
     assert len(lines) == 1 and "shares no entry" in lines[0], lines
 
+
+@pytest.fixture
+def stats_server():
+    """A real HTTP server on 127.0.0.1 answering ``GET /kvplugin/stats`` with ``body``."""
+    body: dict = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            raw = json.dumps(body).encode()
+            self.send_response(200 if self.path == "/kvplugin/stats" else 404)
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", body
+    server.shutdown()
+    server.server_close()
+
+
+def test_info_shows_what_a_running_server_refused_by_reason(stats_server, capsys):
+    url, body = stats_server
+    body.update({"cold_tier": {"refused": 3, "refused_by_reason": {
+        "unsupported:TaggedKVCache": 2, "over_budget": 1}, "remote_refused_by_reason": {}},
+        "rejected_by_kind": {"ArraysCache,KVCache": 1}})
+    assert cli.main(["info", "--server", url]) == 0
+    out = capsys.readouterr().out
+    assert f"refused by the server at {url}" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert "over_budget: 1, unsupported:TaggedKVCache: 2" in out
+    assert "remote tier" in out and "nothing" in rows["remote"]
+    assert "ArraysCache,KVCache: 1" in rows["store"]
+    body.clear()
+    body["cold_tier"] = None
+    assert cli.main(["info", "--server", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["refusals"] == {
+        "url": url, "cold_tier": None, "remote_tier": None, "store_rejected_by_kind": None}
+
+
+def test_info_with_a_server_it_cannot_read_exits_2_naming_the_flag(stats_server, capsys):
+    url, _ = stats_server
+    assert cli.main(["info", "--server", url + "/nothing-here"]) == 2
+    err = capsys.readouterr().err
+    assert "--server" in err and "/kvplugin/stats" in err
