@@ -3,8 +3,9 @@
 A bounded entry (``PreallocatedRotatingKVCache`` layers, wrapped past the bound) spills to
 ``--ssd-cache-dir`` and is a cold hit for a new server on the same directory; through
 ``--kv-cache-remote`` it is a hit on a second replica. Either way the continuation answers
-exactly as a server with the same flags and no tier (fp16). A layer a tier cannot hold (a
-plugin's own cache class) is said once, naming the class and why, and counted by reason.
+exactly as a server with the same flags and no tier (fp16); below the bound, in memory, it
+shares its prefix. A layer a tier cannot hold (a plugin's own cache class) is said once,
+naming the class and why, and counted by reason.
 """
 
 from __future__ import annotations
@@ -98,6 +99,20 @@ def test_a_bounded_entry_is_a_hit_on_a_second_replica_through_redis(reference, r
     assert cached_tokens(got) > int(N), got["usage"]
     assert answer_text(got) == answer_text(want_second)
     assert b.get("/kvplugin/stats")["remote_hits"] >= 1
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["batched", "sequential"])
+def test_a_bounded_entry_below_its_bound_shares_its_prefix_in_memory(reference, seed):
+    """An entry that has not reached the bound can be cut: another question after the same
+    system prompt reuses it (its undo log does not make it uncopyable)."""
+    system = {"role": "system", "content": "You guide visitors through a small town with a "
+              f"bridge, a bakery and a market ({seed}). Answer briefly, in plain words."}
+    reference.chat([system, {"role": "user", "content": "Tell me about the bridge."}],
+                   max_tokens=4, seed=seed)
+    r = reference.chat([system, {"role": "user", "content": "When does the bakery open?"}],
+                       max_tokens=4, seed=seed)
+    assert r["usage"]["prompt_tokens"] < int(N)
+    assert cached_tokens(r) >= r["usage"]["prompt_tokens"] // 2, r["usage"]
 
 
 @pytest.fixture
