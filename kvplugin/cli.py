@@ -24,9 +24,13 @@ def cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from kvplugin import info
 
     try:
-        data = info.collect(given_flags(parser, args))
+        data = info.collect(given_flags(parser, args), server=args.server)
     except SettingsError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # --server: unreachable, or not kvplugin's stats
+        print(f"kvplugin: --server {args.server}: cannot read its /kvplugin/stats ({exc})",
+              file=sys.stderr)
         return 2
     print(json.dumps(data, indent=2) if args.json else info.render(data))
     return 0
@@ -97,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "default).")
     add_options(info)
     info.add_argument("--json", action="store_true", help="the same facts as JSON")
+    info.add_argument("--server", metavar="URL", help="also what the kvplugin server at URL "
+                      "kept out of its tiers and store, counted by reason")
     info.set_defaults(func=cmd_info, subparser=info)
 
     from kvplugin.tools import demo

@@ -72,8 +72,24 @@ def activation() -> dict[str, Any]:
     }
 
 
-def collect(flags: Mapping[str, Any]) -> dict[str, Any]:
-    """Everything ``kvplugin info`` prints (raises SettingsError on a bad value)."""
+def server_refusals(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """What a running server kept out of its tiers, by reason (``refused_by_reason``), and
+    what its store could not keep, by layer kinds: from its ``GET /kvplugin/stats``.
+    Raises ``OSError`` / ``ValueError`` when it cannot be read."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url.rstrip("/") + "/kvplugin/stats", timeout=timeout_s) as r:
+        stats = json.load(r)
+    tier = stats.get("cold_tier") or {}
+    return {"url": url, "cold_tier": tier.get("refused_by_reason"),
+            "remote_tier": tier.get("remote_refused_by_reason"),
+            "store_rejected_by_kind": stats.get("rejected_by_kind")}
+
+
+def collect(flags: Mapping[str, Any], server: str | None = None) -> dict[str, Any]:
+    """Everything ``kvplugin info`` prints (raises SettingsError on a bad value); with
+    ``server`` (a running server's URL) also what it refused (:func:`server_refusals`)."""
     from kvplugin.codecs import codec_plan
     from kvplugin.hosts import all_adapters
     from kvplugin.plugins import list_plugins
@@ -106,6 +122,7 @@ def collect(flags: Mapping[str, Any]) -> dict[str, Any]:
         # what --kv-cache-codec auto and unset protected tokens resolve to (None: off)
         "codec": codec_plan(settings).name if settings.kv_cache_quantization else None,
         "model_cache": str(kvplugin_home()),
+        **({"refusals": server_refusals(server)} if server else {}),
     }
 
 
@@ -137,4 +154,13 @@ def render(info: Mapping[str, Any]) -> str:
     if info["codec"]:
         lines.append(f"  stored entries' codec (resolved): {info['codec']}")
     lines.append(f"\nmodel cache (tiny and real models built offline): {info['model_cache']}")
+    if "refusals" in info:
+        r = info["refusals"]
+        lines.append(f"\nrefused by the server at {r['url']} (count by reason):")
+        for what, key in (("cold tier", "cold_tier"), ("remote tier", "remote_tier"),
+                          ("store (by layer kinds)", "store_rejected_by_kind")):
+            found = r[key]
+            shown = ("not configured" if found is None else
+                     ", ".join(f"{k}: {v}" for k, v in sorted(found.items())) or "nothing")
+            lines.append(f"  {what:<24} {shown}")
     return "\n".join(lines)

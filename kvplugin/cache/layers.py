@@ -356,11 +356,13 @@ def layout_of(layer: Any) -> str | None:
 
 def extra_scalars(layer: Any, layout: str) -> dict | None:
     """Instance attributes beyond ``KNOWN_FIELDS[layout]`` (e.g. an instance ``step``).
-    None if any of them is not a plain scalar (then the layer is not portable)."""
-    known = KNOWN_FIELDS[layout]
+    None if any of them is not a plain scalar (then the layer is not portable). Those the
+    class names in ``TRANSIENT_ATTRS`` (live state a copy or a stored entry does not carry,
+    such as a bounded layer's undo log) are left out."""
+    skip = (*KNOWN_FIELDS[layout], *getattr(type(layer), "TRANSIENT_ATTRS", ()))
     extra = {}
     for k, v in getattr(layer, "__dict__", {}).items():
-        if k in known:
+        if k in skip:
             continue
         if not isinstance(v, _SCALARS):
             return None

@@ -112,6 +112,11 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
         self._phase = (int(index) * GROW_UNIT // self._layers) % GROW_UNIT
         self._reset_undo()
 
+    #: The undo log: the live request's, never a copy's or a stored entry's (see
+    #: ``layers.extra_scalars``). An entry is stored at its key (:func:`rewind_decode`), so
+    #: at rest there is nothing to take back; a copy or a restored layer starts a log of its own.
+    TRANSIENT_ATTRS = ("_undo_idx", "_undo_over", "_undo_blocks")
+
     #: Slots copied at a time into the undo log (one copy and one evaluation per block, so
     #: every other one-token write still donates the buffer in place).
     UNDO_BLOCK = 256

@@ -11,8 +11,15 @@ one JSON-able descriptor per layer: ``kind`` (mlx-lm base class used for the lay
 ``cls`` (``module:qualname`` of the real class), ``attrs`` (scalars), ``arrays``. Only the
 used positions are kept (a rotating cache that has wrapped is kept whole with its ``_idx``);
 quantized layers stay quantized, kvplugin's own ``QuantizedRotatingKVCache`` (a rotating layer
-stored quantized) included: its packed slots whole, its scalars as they are. On load the real class is used if its module is already
-imported (nothing is imported from data) and it subclasses the recorded kind.
+stored quantized) included: its packed slots whole, its scalars as they are. On load the real
+class is used if its module is already imported (nothing is imported from data) and it
+subclasses the recorded kind.
+
+What a class names in ``TRANSIENT_ATTRS`` is not written: a bounded layer's undo log
+(``PreallocatedRotatingKVCache``) belongs to the request that wrote the tokens. An entry is
+stored at its key, its log dropped (``prealloc.rewind_decode``: a wrapped one rewound to its
+prompt boundary first), and a log never changes what a layer holds: a restored layer holds
+exactly what its key says, can be trimmed as the stored one could, and logs anew.
 """
 
 from __future__ import annotations
@@ -31,7 +38,17 @@ _SCALAR_TYPES = (int, float, bool, str, type(None))
 
 
 class Unsupported(Exception):
-    """The entry holds a layer this format cannot represent (the tier refuses it)."""
+    """The entry holds a layer this format cannot represent (the tier refuses it): ``kind``
+    is the layer's class name, ``why`` the reason, so a tier can say both once and count them."""
+
+    def __init__(self, kind: str, why: str) -> None:
+        super().__init__(f"{kind}: {why}")
+        self.kind = kind
+        self.why = why
+
+
+class _NotPortable(Exception):
+    """Raised below :func:`_ser_layer`, which names the layer class in :class:`Unsupported`."""
 
 
 class Corrupt(Exception):
@@ -70,12 +87,12 @@ def _put_arrays(arrays: dict, name: str, value, n: int | None):
         names = []
         for j, a in enumerate(value):
             if not isinstance(a, mx.array):
-                raise Unsupported(f"{name}[{j}] is not an array")
+                raise _NotPortable(f"{name}[{j}] is not an array")
             arrays[f"{name}.{j}"] = a if n is None else _slice(a, n)
             names.append(f"{name}.{j}")
         return {"seq": "tuple" if isinstance(value, tuple) else "list", "names": names}
     if not isinstance(value, mx.array):
-        raise Unsupported(f"{name} is not an array")
+        raise _NotPortable(f"{name} is not an array")
     arrays[name] = value if n is None else _slice(value, n)
     return name
 
@@ -86,7 +103,7 @@ _QROT = "QuantizedRotatingKVCache"
 def _ser_qrot(layer, prefix: str, arrays: dict) -> dict:
     attrs = {k: v for k, v in vars(layer).items() if k not in ("keys", "values")}
     if not all(isinstance(v, _SCALAR_TYPES) for v in attrs.values()):
-        raise Unsupported(f"{_QROT} has non-scalar attributes")
+        raise _NotPortable(f"non-scalar attributes {sorted(_non_scalars(attrs))}")
     return {"kind": _QROT, "cls": _cls_spec(layer), "attrs": attrs,
             "arrays": {f: _put_arrays(arrays, f"{prefix}{f}", getattr(layer, f), None)
                        for f in ("keys", "values")}}
@@ -110,15 +127,30 @@ def _de_qrot(desc: dict, arrays: dict):
     return obj
 
 
+def _non_scalars(attrs: dict) -> list[str]:
+    return [k for k, v in attrs.items() if not isinstance(v, _SCALAR_TYPES)]
+
+
 def _ser_layer(layer, prefix: str, arrays: dict) -> dict:
+    """One layer's descriptor; :class:`Unsupported` names the first layer (a ``CacheList``
+    child rather than the list) that this format cannot hold, and why."""
+    try:
+        return _ser_one(layer, prefix, arrays)
+    except (_NotPortable, AttributeError, TypeError) as e:
+        raise Unsupported(type(layer).__name__, str(e)) from None
+
+
+def _ser_one(layer, prefix: str, arrays: dict) -> dict:
     if type(layer).__name__ == _QROT and type(layer).__module__ == "kvplugin.cache.quantize_rotating":
         return _ser_qrot(layer, prefix, arrays)
     kind = layout_of(layer)
     if kind is None:
-        raise Unsupported(type(layer).__name__)
+        raise _NotPortable("not a subclass of an mlx-lm cache class this format knows")
     attrs = extra_scalars(layer, kind)
     if attrs is None:
-        raise Unsupported(f"{type(layer).__name__} has non-scalar attributes")
+        skip = (*KNOWN_FIELDS[kind], *getattr(type(layer), "TRANSIENT_ATTRS", ()))
+        names = _non_scalars({k: v for k, v in vars(layer).items() if k not in skip})
+        raise _NotPortable(f"non-scalar attributes {sorted(names)}")
     desc: dict = {"kind": kind, "cls": _cls_spec(layer), "attrs": attrs, "arrays": {}}
     if kind == "CacheList":
         desc["children"] = [_ser_layer(c, f"{prefix}c{j}.", arrays) for j, c in enumerate(layer.caches)]
@@ -136,7 +168,7 @@ def _ser_layer(layer, prefix: str, arrays: dict) -> dict:
         if f not in ("keys", "values"):
             v = getattr(layer, f)
             if not isinstance(v, _SCALAR_TYPES):
-                raise Unsupported(f"{kind}.{f} is not a scalar")
+                raise _NotPortable(f"{f} is not a scalar")
             attrs[f] = v
     offset = layer.offset
     n: int | None = offset

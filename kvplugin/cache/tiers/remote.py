@@ -35,6 +35,7 @@ from typing import Any
 from kvplugin.cache.index import to_key
 from kvplugin.cache.layers import copy_prefix, entry_nbytes
 from kvplugin.cache.serialize import Unsupported
+from kvplugin.cache.tiers.refusals import Refusals
 from kvplugin.cache.tiers.remote_keys import Namespace
 from kvplugin.cache.tiers.remote_wire import Corrupt, decode, encode, seal
 from kvplugin.settings import masked_url
@@ -92,6 +93,7 @@ class RemoteTier:
         self._writes = _client(url, self.fetch_timeout_s, self.timeout_s)  # nobody waits
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._refusals = Refusals(f"remote tier {self.url}")
         self._fetch_seconds = 0.0
         self._fetches = 0
         self._down_until = 0.0
@@ -206,19 +208,24 @@ class RemoteTier:
             self._pending += size
         try:
             buf, trimmable = encode(ns.name, tokens, cache)
-        except (Unsupported, AttributeError, TypeError) as e:
-            log.debug("kvplugin: not publishing entry: %s", e)
+        except Unsupported as e:
             self._count("refused")
+            self._refusals.unsupported(e, "shares")
             self._count_pending(-size)
             return False
         except Exception:
             log.exception("kvplugin: remote tier could not serialize an entry")
             self._count("refused")
+            self._refusals.count("serialize_failed")
             self._count_pending(-size)
             return False
         ends = ns.pointer_keys(tokens)
         pointers = [p for _, p in (ends if trimmable else ends[-1:])]
-        self._jobs.put(("set", key, pointers, buf, size))
+        # An entry that cannot be cut serves only prompts that extend it whole, so it takes
+        # no pointer another entry holds: the first one there (a conversation's shortest:
+        # its system prompt, then its prompt, before prompt + reply) is the one more prompts
+        # extend. A pointer whose value is gone is deleted by the reader that finds it.
+        self._jobs.put(("set" if trimmable else "set-nx", key, pointers, buf, size))
         with self._lock:
             self._published[key] = now
             self._published.move_to_end(key)
@@ -251,7 +258,7 @@ class RemoteTier:
                 pipe = self._writes.pipeline(transaction=False)
                 pipe.set(key, view, ex=self.ttl_s)
                 for p in pointers:  # the value's size rides along: checked before a GET
-                    pipe.set(p, f"{key}|{len(view)}", ex=self.ttl_s)
+                    pipe.set(p, f"{key}|{len(view)}", ex=self.ttl_s, nx=kind == "set-nx")
                 pipe.execute()
                 with self._lock:
                     self.counters["puts"] += 1
@@ -278,7 +285,7 @@ class RemoteTier:
         """On the pool: MGET every pointer, then GET the deepest one's value, if that
         pointer promises more than the ``have`` tokens the caller holds already."""
         names = self._lookup.mget([p for _, p in pointers])
-        for (end, _), name in zip(reversed(pointers), reversed(names)):
+        for (end, pointer), name in zip(reversed(pointers), reversed(names)):
             if name:
                 if end <= have:
                     return None
@@ -289,6 +296,7 @@ class RemoteTier:
                 raw = self._values.get(key)
                 if raw is None:  # the value expired or was evicted before its pointer
                     self._count("stale")
+                    self._jobs.put(("delete", pointer, None, None, 0))  # free for the next
                     return None
                 return key, raw
         return None
@@ -380,6 +388,7 @@ class RemoteTier:
             out["remote_fetch_seconds"] = round(self._fetch_seconds, 6)
             out["remote_connected"] = int(self._backoff == 0 and not self._closed)
             out["remote_queued_bytes"] = self._pending
+        out["remote_refused_by_reason"] = self._refusals.by_reason()
         out["remote_url"] = self.url
         return out
 

@@ -16,29 +16,7 @@ Layout and format
 * The model fingerprint is ``str(model_key)`` hashed into the subdirectory name
   (``slug`` is a sanitised readable tail), and is also stored in every file and
   checked on load, so two models never share entries.
-* One safetensors file per entry, written with ``mx.save_safetensors`` (no pickle;
-  all mlx dtypes incl. bf16/fp16 and packed uint32 round-trip).  Tensors:
-  ``__tokens__`` (int64, the entry's token key) and the layers' arrays, named
-  ``l<i>.<field>[.<j>]`` (``CacheList`` children ``l<i>.c<j>.``).  String metadata:
-  ``format`` (``kvplugin.cache/2``), ``digest`` (``blake2b:<hex>`` over every tensor's
-  name, dtype, shape and bytes, verified before an entry is used: damaged data is a
-  counted miss and the file is removed, never served), ``model_key``, ``n_tokens``,
-  ``trimmable``
-  (``"1"`` if a prefix of the entry can be copied, see ``layers.can_copy_prefix``)
-  and ``layers``: JSON, one descriptor per layer: ``kind`` (mlx-lm base class used
-  for the layout), ``cls`` (``module:qualname`` of the real class), ``attrs``
-  (scalars: offset, step, max_size, keep, _idx, bits, group_size, chunk_size,
-  start_position and any scalar instance attribute of a subclass), ``arrays``.
-* Only the used positions are written (``keys[..., :offset, :]``; a rotating cache
-  that has wrapped is written whole with its ``_idx``).  Quantized layers stay
-  quantized (packed + scales + biases) on disk and after reload.
-* Supported layer kinds: ``KVCache``, ``QuantizedKVCache``, ``RotatingKVCache``,
-  ``ChunkedKVCache``, ``ConcatenateKVCache``, ``ArraysCache``, ``CacheList`` and
-  their subclasses whose extra instance attributes are plain scalars, and kvplugin's
-  ``QuantizedRotatingKVCache`` (a rotating layer stored quantized).  ``put`` of
-  anything else returns False.  On load the real class is used if its module is
-  already imported (nothing is imported from file data) and it subclasses the
-  recorded kind; otherwise the kind's mlx-lm class.
+* One safetensors file per entry: see :mod:`kvplugin.cache.tiers.ssd_file`.
 
 Writes are atomic: a ``.tmp-<pid>-*`` file created 0o600 in the same directory, written,
 ``fsync``-ed, ``os.replace``-d over the final name, then the directory is fsync-ed.
@@ -79,17 +57,12 @@ Fetch (same choice rule as the hot tier, ``index.choose``)
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
-import re
 import stat
-import struct
-import sys
 import threading
 import time
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,124 +70,25 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvplugin.cache.index import KeyIndex, to_key, tokens_bytes
+from kvplugin.cache.index import KeyIndex, to_key
 from kvplugin.cache.layers import can_copy_prefix, copy_prefix
 from kvplugin.cache.serialize import Corrupt, Unsupported, deserialize_cache, serialize_cache
+from kvplugin.cache.tiers.refusals import Refusals
 from kvplugin.cache.tiers.ssd_dir import DirView, dir_lock, leftover_name, make_room, scan
+from kvplugin.cache.tiers.ssd_file import (ENTRY_NAME as _ENTRY_NAME, FORMAT, SUFFIX, TOKENS,
+                                           fsync_dir as _fsync_dir, is_regular as _is_regular,
+                                           key_name as _key_name, model_dir_name,
+                                           read_header as _read_header, tensor_digest,
+                                           unlink as _unlink)
 
 __all__ = ["SSDTier"]
 
 log = logging.getLogger("kvplugin.cache")
 
-FORMAT = "kvplugin.cache/2"  # 2: every file carries a digest of its tensor data
-DIGEST = "blake2b"
-TOKENS = "__tokens__"
-SUFFIX = ".safetensors"
 # A model subdirectory is ours only if it carries this marker: the root may be a folder
 # the user also keeps other things in (even model weights), which we must never touch.
 MARKER = ".kvplugin-tier"
-_ENTRY_NAME = re.compile(r"^[0-9a-f]{40}" + re.escape(SUFFIX) + "$")
-_MAX_HEADER = 256 << 20
 _FAILURE_LOG_S = 60.0
-
-
-# ------------------------------------------------------------------ file helpers
-
-
-def tensor_digest(arrays: dict) -> str:
-    """``blake2b:<hex>`` over every tensor's name, dtype, shape and raw bytes, in name order.
-
-    Why: a header check catches truncation, not flipped bytes inside the data, and damaged
-    keys silently change answers (and get copied into newer entries). blake2b from the
-    standard library runs at ~700 MiB/s here, a few ms per MiB of entry.
-    """
-    import numpy as np
-
-    h = hashlib.blake2b(digest_size=32)
-    for name in sorted(arrays):
-        a = arrays[name]
-        h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
-        h.update(memoryview(np.asarray(mx.contiguous(a).view(mx.uint8))))
-    return f"{DIGEST}:{h.hexdigest()}"
-
-
-def _key_name(key: tuple) -> str:
-    return hashlib.sha256(tokens_bytes(key)).hexdigest()[:40] + SUFFIX
-
-
-def _read_header(path: Path) -> tuple[dict, dict]:
-    """Parse and validate a safetensors header.  Returns (tensors, metadata).
-    Also reads the ``__tokens__`` tensor, returned as metadata["__key__"]."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    with os.fdopen(os.open(path, flags), "rb") as f:  # never through a symlink (ELOOP)
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise Corrupt("not a regular file")
-        size = os.fstat(f.fileno()).st_size
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise Corrupt("short file")
-        (hlen,) = struct.unpack("<Q", raw)
-        if hlen > min(size - 8, _MAX_HEADER):
-            raise Corrupt("bad header length")
-        try:
-            header = json.loads(f.read(hlen))
-        except ValueError as e:
-            raise Corrupt("bad header json") from e
-        if not isinstance(header, dict):
-            raise Corrupt("bad header")
-        meta = header.pop("__metadata__", None)
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise Corrupt("not a kvplugin cache file")
-        end = 0
-        for t in header.values():
-            lo, hi = t["data_offsets"]
-            if not 0 <= lo <= hi:
-                raise Corrupt("bad offsets")
-            end = max(end, hi)
-        if 8 + hlen + end != size:
-            raise Corrupt(f"size {size} != {8 + hlen + end} (truncated?)")
-        tok = header.get(TOKENS)
-        if not tok or tok.get("dtype") != "I64":
-            raise Corrupt("no token key")
-        lo, hi = tok["data_offsets"]
-        n = int(meta.get("n_tokens", -1))
-        if hi - lo != 8 * n or tok.get("shape") != [n] or n < 1:
-            raise Corrupt("token key size mismatch")
-        f.seek(8 + hlen + lo)
-        buf = f.read(hi - lo)
-    a = array("q")
-    a.frombytes(buf)
-    if sys.byteorder == "big":  # pragma: no cover
-        a.byteswap()
-    meta["__key__"] = tuple(a)
-    return header, meta
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _is_regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 # ------------------------------------------------------------------ the tier
@@ -252,6 +126,7 @@ class SSDTier:
         self._disk_bytes: int | None = None  # the whole directory at the last scan
         self._symlinks = 0  # entry-named symlinks (and links in place of subdirectories) seen
         self._last_failure_log = float("-inf")
+        self._refusals = Refusals(f"cold tier {self.directory}")
         if not self.directory.exists():
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.read_only = not os.access(self.directory, os.W_OK | os.X_OK)
@@ -278,16 +153,26 @@ class SSDTier:
         with self._lock:
             self.counters[name] += 1
 
+    def _refuse(self, reason: str, say: str | None = None) -> None:
+        """An entry not written: ``refused``, and by reason (said once with ``say``)."""
+        self._count("refused")
+        self._refusals.count(reason, say)
+
+    def _over_budget(self, size: int) -> str:
+        return (f"stores no entry larger than its budget ({size} > {self.max_bytes} bytes, "
+                "--ssd-cache-max-gb); such entries are dropped when evicted")
+
     def stats(self) -> dict:
         """Counters: entries, bytes (this process's index), disk_bytes (the whole directory,
         every process and model, at the last scan), puts, refused, hits (files consumed),
         copies (prefix copies), misses, evictions (any process's entries this one removed for
         the shared budget), superseded, corrupt (files removed), unreadable (I/O errors on
-        read), write_failures, leftovers_removed (dead writers' temp files), symlinks."""
+        read), write_failures, leftovers_removed (dead writers' temp files), symlinks;
+        refused_by_reason (see :mod:`kvplugin.cache.tiers.refusals`)."""
         with self._lock:
             return {"entries": len(self._index), "bytes": self._index.nbytes,
                     "disk_bytes": self._disk_bytes, "symlinks": self._symlinks,
-                    **self.counters}
+                    **self.counters, "refused_by_reason": self._refusals.by_reason()}
 
     def close(self) -> None:
         """Stop using the directory (files stay for the next process)."""
@@ -297,11 +182,7 @@ class SSDTier:
 
     # ---------------------------------------------------------------- paths
 
-    @staticmethod
-    def model_dir_name(model_key: Any) -> str:
-        s = str(model_key)
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", s)[-48:].lstrip("._-") or "model"
-        return f"{slug}-{hashlib.sha256(s.encode()).hexdigest()[:16]}"
+    model_dir_name = staticmethod(model_dir_name)
 
     def _secure_dir(self, path: Path, create: bool) -> bool:
         """Is ``path`` one of our model directories (marked, ours, 0o700)? Make it if asked."""
@@ -407,16 +288,16 @@ class SSDTier:
         if self._closed or not key or not cache:
             return False
         if self.read_only:
-            self._count("refused")
+            self._refuse("read_only")  # said when the tier started
             return False
         try:
             arrays, layers = serialize_cache(cache)
-        except (Unsupported, AttributeError) as e:
-            log.debug("kvplugin: not spilling entry: %s", e)
+        except Unsupported as e:
             self._count("refused")
+            self._refusals.unsupported(e, "stores")
             return False
-        if sum(a.nbytes for a in arrays.values()) > self.max_bytes:
-            self._count("refused")
+        if (size := sum(a.nbytes for a in arrays.values())) > self.max_bytes:
+            self._refuse("over_budget", self._over_budget(size))
             return False
         trimmable = can_copy_prefix(cache, len(key))
         arrays[TOKENS] = mx.array(key, dtype=mx.int64)
@@ -433,6 +314,7 @@ class SSDTier:
         mdir = self.directory / mdir_name
         name = _key_name(key)
         if not self._secure_dir(mdir, create=True):
+            self._refuse("not_our_directory")  # said by _secure_dir
             return False
         need = sum(a.nbytes for a in arrays.values()) + (1 << 16)  # + header, roughly
         tmp = mdir / leftover_name("tmp", SUFFIX)
@@ -453,6 +335,10 @@ class SSDTier:
                 if size > self.max_bytes or self._closed:  # refused, not a failed write
                     _unlink(tmp)
                     self.counters["refused"] += 1
+                    if size > self.max_bytes:
+                        self._refusals.count("over_budget", self._over_budget(size))
+                    else:
+                        self._refusals.count("closed")
                     return False
                 os.replace(tmp, mdir / name)
                 self._writing.discard(tmp)
@@ -493,6 +379,7 @@ class SSDTier:
     def _write_failed(self, e: Exception) -> None:
         """Count a failed spill; say so at most once a minute (a full disk fails every one)."""
         now = time.monotonic()
+        self._refusals.count("write_failed")  # said below, at most once a minute
         with self._lock:
             self.counters["refused"] += 1
             self.counters["write_failures"] += 1
