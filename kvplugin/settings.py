@@ -306,7 +306,7 @@ class KVPluginSettings(BaseSettings):
     @field_validator("max_memory", mode="before")
     @classmethod
     def _memory_size(cls, v: Any) -> str:
-        from kvplugin.cache.admission import parse_memory_limit
+        from kvplugin.cache.memory.footprint import parse_memory_limit
 
         text = str(v).strip()
         parse_memory_limit(text)  # ValueError names what is wrong
@@ -371,7 +371,7 @@ class KVPluginSettings(BaseSettings):
     @property
     def max_memory_bytes(self) -> int | None:
         """The admission limit in bytes; ``None``: no admission control (``off``)."""
-        from kvplugin.cache.admission import parse_memory_limit
+        from kvplugin.cache.memory.footprint import parse_memory_limit
 
         return parse_memory_limit(self.max_memory)
 

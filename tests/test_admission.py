@@ -11,7 +11,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from kvplugin import plugins
-from kvplugin.cache.admission import (
+from kvplugin.cache.memory.footprint import (
     GROWTH_SLACK,
     AdmissionRefused,
     Ledger,
@@ -19,7 +19,7 @@ from kvplugin.cache.admission import (
     physical_memory,
     probe_footprint,
 )
-from kvplugin.cache.session import KVService
+from kvplugin.cache.service.service import KVService
 from kvplugin.hookspecs import hookimpl
 from kvplugin.settings import SettingsError, resolve_settings
 

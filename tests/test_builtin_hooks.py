@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvplugin import plugins
-from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
+from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 from kvplugin.hookspecs import hookimpl
 from kvplugin.settings import SettingsError, resolve_settings
 
@@ -102,7 +102,7 @@ def test_store_backend_ssd_when_dir_given(pm, tmp_path):
 
 def test_on_evict_observed_by_a_plugin(pm):
     from kvplugin.cache.layers import entry_nbytes
-    from kvplugin.cache.session import KVService
+    from kvplugin.cache.service.service import KVService
 
     evicted = []
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from kvplugin.cache.session import KVService
+from kvplugin.cache.service.service import KVService
 from kvplugin.hookspecs import hookimpl
 from kvplugin.plugins import create_plugin_manager
 from kvplugin.settings import resolve_settings

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache, make_prompt_cache
 
-from kvplugin.cache.index import PrefixTrie, choose
+from kvplugin.cache.store.index import PrefixTrie, choose
 from kvplugin.cache.layers import can_copy_prefix, copy_floor, copy_prefix
 from kvplugin.tools.models.families import build_family_model
 

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from kvplugin.cache import quantize
-from kvplugin.cache.session import KVService
+from kvplugin.cache.service.service import KVService
 from kvplugin.plugins import create_plugin_manager
 from kvplugin.settings import resolve_settings
 
@@ -60,7 +60,7 @@ _FIRST_ROUND_TRIP = textwrap.dedent("""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
     from kvplugin.cache.quantize import dequantize_entry, quantize_entry
-    from kvplugin.cache.session import KVService
+    from kvplugin.cache.service.service import KVService
     from kvplugin.plugins import create_plugin_manager
     from kvplugin.settings import resolve_settings
 

@@ -20,7 +20,7 @@ from kvplugin.cache.quantize import (
     dequantize_entry,
     quantize_entry,
 )
-from kvplugin.cache.serialize import deserialize_cache, serialize_cache
+from kvplugin.cache.tiers.serialize import deserialize_cache, serialize_cache
 from kvplugin.cache.tiers.ssd import SSDTier
 
 H, D, N = 2, 64, 300
@@ -154,7 +154,7 @@ def test_unknown_codec_is_refused_not_misread(tmp_path):
 
 def _service(**flags):
     from kvplugin import plugins
-    from kvplugin.cache.session import KVService
+    from kvplugin.cache.service.service import KVService
     from kvplugin.settings import resolve_settings
 
     pm = plugins.create_plugin_manager(load_entry_points=False)

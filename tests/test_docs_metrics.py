@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from kvplugin import metrics
-from kvplugin.cache.session import KVService
+from kvplugin.cache.service.service import KVService
 from kvplugin.plugins import create_plugin_manager
 from kvplugin.settings import resolve_settings
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvplugin.cache import fingerprint as fp
+from kvplugin.cache.model import fingerprint as fp
 
 
 def test_model_fingerprint(tmp_path):

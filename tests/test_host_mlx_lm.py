@@ -14,8 +14,8 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
-from kvplugin.cache.session import KVService
+from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
+from kvplugin.cache.service.service import KVService
 from kvplugin import plugins
 from kvplugin.hosts import mlx_lm as host
 from kvplugin.settings import resolve_settings
@@ -268,7 +268,7 @@ def test_prompt_cache_report_lists_entries(service):
 
 def test_quantized_entry_is_described_with_bits():
     from kvplugin.cache.quantize import quantize_entry
-    from kvplugin.cache.session import describe_entry
+    from kvplugin.cache.service.service import describe_entry
 
     q = quantize_entry(_entry(64), bits=8, group_size=64).cache
     e = describe_entry("m", list(range(64)), q, sum(c.nbytes for c in q))

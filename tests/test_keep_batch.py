@@ -16,8 +16,8 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
-from kvplugin.cache.keep_batch import KeepingBatchRotatingKVCache
-from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
+from kvplugin.cache.bounded.keep_batch import KeepingBatchRotatingKVCache
+from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 
 N, KEEP = 64, 4
 TOL = 1e-3  # float32 rounding (sums in another order); a lost sink moves logits by ~10
@@ -76,6 +76,8 @@ def _batched(model, prompts, decodes, chunk, cls=KeepingBatchRotatingKVCache):
     width = max(len(p) for p in prompts)
     pad = [width - len(p) for p in prompts]
     cache = [cls(N, pad, KEEP) for _ in model.layers]
+    for layer in cache:  # what merging the sequential path's rows records (the host's way)
+        layer.row_class = PreallocatedRotatingKVCache
     out = [_batched_prefill(model, cache, prompts, chunk)]
     out += _batched_decode(model, cache, decodes)
     return mx.stack(out, axis=1), cache

@@ -39,7 +39,7 @@ def test_open_lanes_starts_this_thread_s_streams_before_any_codec_work(monkeypat
     in_lanes then uses those very streams; a host loading elsewhere makes none."""
     import threading
 
-    from kvplugin.cache.session import KVService
+    from kvplugin.cache.service.service import KVService
     from kvplugin.plugins import create_plugin_manager
     from kvplugin.settings import resolve_settings
 

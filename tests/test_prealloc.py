@@ -18,7 +18,7 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
-from kvplugin.cache.prealloc import (
+from kvplugin.cache.bounded.prealloc import (
     PreallocatedRotatingKVCache,
     apply_growth_step,
     bound_cache,

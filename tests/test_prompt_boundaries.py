@@ -15,7 +15,7 @@ from test_codecs import N, _layer
 
 from kvplugin.cache.layers import copy_prefix, entry_nbytes
 from kvplugin.cache.quantize import BOUNDARY_ATTR, UnknownCodec, dequantize_entry, quantize_entry
-from kvplugin.cache.serialize import deserialize_cache, serialize_cache
+from kvplugin.cache.tiers.serialize import deserialize_cache, serialize_cache
 from kvplugin.hookspecs import hookimpl
 
 CODEC = dict(bits=4, group_size=64, codec="rotated-channel", sink_tokens=4, recent_tokens=16)
@@ -111,7 +111,7 @@ class _SeesBoundaries:
 
 def test_service_learns_boundaries_from_its_fetches_and_hands_them_to_the_hook():
     from kvplugin import plugins
-    from kvplugin.cache.session import KVService
+    from kvplugin.cache.service.service import KVService
     from kvplugin.settings import resolve_settings
 
     pm = plugins.create_plugin_manager(load_entry_points=False)
@@ -135,7 +135,7 @@ def test_service_learns_boundaries_from_its_fetches_and_hands_them_to_the_hook()
 
 
 def test_recent_prompts_find_the_ends_an_entry_contains():
-    from kvplugin.cache.prompts import MAX_PROMPT_BOUNDARIES, RecentPrompts
+    from kvplugin.cache.store.prompts import MAX_PROMPT_BOUNDARIES, RecentPrompts
 
     seen = RecentPrompts(size=16)
     entry = list(range(1000))

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
 from kvplugin.cache.layers import entry_tokens
-from kvplugin.cache.session import KVService
+from kvplugin.cache.service.service import KVService
 from kvplugin.plugins import create_plugin_manager
 from kvplugin.settings import resolve_settings
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from kvplugin.cache.session import store_key
+from kvplugin.cache.service.service import store_key
 from kvplugin.cache.tiers.remote import RemoteTier
 from kvplugin.cache.tiers.remote_keys import namespace_of
 from kvplugin.settings import SettingsError
@@ -256,7 +256,7 @@ def test_a_wrong_password_is_a_start_up_error_naming_flag_and_env():
 
 def test_an_entry_that_does_not_fit_the_model_is_never_served_and_is_deleted(tier,
                                                                              redis_server):
-    from kvplugin.cache.store import PromptStore
+    from kvplugin.cache.store.prompt_store import PromptStore
 
     a = tier()
     tokens = list(range(300))

@@ -14,7 +14,7 @@ import time
 import mlx.core as mx
 import pytest
 
-from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
+from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.tiers.remote import RemoteTier
 from kvplugin.tools.redisproc import RedisServer
 

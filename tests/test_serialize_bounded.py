@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from kvplugin.cache.layers import can_copy_prefix, copy_prefix
-from kvplugin.cache.prealloc import PreallocatedRotatingKVCache, rewind_decode
+from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache, rewind_decode
 from kvplugin.cache.tiers.remote_wire import decode, encode, seal
 from kvplugin.cache.tiers.ssd import SSDTier
 

@@ -15,9 +15,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from kvplugin import plugins
 from kvplugin.cache.lanes import lane_count
 from kvplugin.cache.quantize import dequantize_entry, quantize_entry
-from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
-from kvplugin.cache.checks import host_option_conflict, model_problem
-from kvplugin.cache.session import KVService
+from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
+from kvplugin.cache.service.startup_checks import host_option_conflict, model_problem
+from kvplugin.cache.service.service import KVService
 from kvplugin.codecs import codec_plan
 from kvplugin.hookspecs import hookimpl
 from kvplugin.settings import SettingsError, resolve_settings

@@ -1,4 +1,4 @@
-"""Tests for kvplugin.cache.store (PromptStore, hot tier) and kvplugin.cache.ssd (SSDTier).
+"""Tests for kvplugin.cache.store.prompt_store (PromptStore, hot tier) and kvplugin.cache.ssd (SSDTier).
 
 Real MLX on CPU, tiny caches except the transient-memory test (~32 MiB).
 """
@@ -23,9 +23,9 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvplugin.cache.index import PrefixTrie, choose  # moved from kvplugin.cache.store
+from kvplugin.cache.store.index import PrefixTrie, choose  # moved from kvplugin.cache.store.prompt_store
 from kvplugin.cache.layers import entry_arrays, entry_nbytes
-from kvplugin.cache.store import PromptStore, StoreEntry
+from kvplugin.cache.store.prompt_store import PromptStore, StoreEntry
 from kvplugin.cache.tiers import ssd as ssd_mod  # moved from kvplugin.cache.ssd
 from kvplugin.cache.tiers.ssd import SSDTier
 

@@ -8,8 +8,8 @@ stays stored (measured on a real server: one full entry per turn).
 
 from __future__ import annotations
 
-from kvplugin.cache.session import KVService
-from kvplugin.cache.store import PromptStore
+from kvplugin.cache.service.service import KVService
+from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.plugins import create_plugin_manager
 from kvplugin.settings import resolve_settings
 

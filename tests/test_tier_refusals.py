@@ -12,8 +12,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kvplugin import cli
-from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
-from kvplugin.cache.serialize import Unsupported, serialize_cache
+from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
+from kvplugin.cache.tiers.serialize import Unsupported, serialize_cache
 from kvplugin.cache.tiers.ssd import SSDTier
 from kvplugin.log import forget
 

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
-from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
+from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.layers import (  # moved from kvplugin.cache.trim
     entry_arrays,
     entry_nbytes,

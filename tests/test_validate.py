@@ -1,4 +1,4 @@
-"""Fetched entries are checked against the model's own cache (kvplugin.cache.validate)."""
+"""Fetched entries are checked against the model's own cache (kvplugin.cache.model.fit)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from kvplugin.cache.validate import entry_problem, reference_of
+from kvplugin.cache.model.fit import entry_problem, reference_of
 
 
 def _model():
@@ -43,7 +43,7 @@ def test_a_fitting_entry_passes_and_each_misfit_is_named():
 
 
 def test_a_refused_prefix_copy_is_deleted_from_the_tier(tmp_path):
-    from kvplugin.cache.store import PromptStore
+    from kvplugin.cache.store.prompt_store import PromptStore
     from kvplugin.cache.tiers.ssd import SSDTier
 
     tier = SSDTier(tmp_path, 1 << 30)

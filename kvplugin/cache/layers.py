@@ -12,7 +12,7 @@ Two ways of naming a layer, on purpose:
   headroom, quantization. A subclass (a host's own) may give ``offset`` another meaning, so it
   gets nothing until registered with :func:`register_kind`.
 * its **layout** (:func:`layout_of`, by ``isinstance`` against mlx-lm's base classes): which
-  array fields it has, for prefix copies and (de)serialisation (``kvplugin.cache.serialize``),
+  array fields it has, for prefix copies and (de)serialisation (``kvplugin.cache.tiers.serialize``),
   where a subclass with only extra *scalar* attributes is as portable as its base.
 
 Everything here works on one entry (a list of layers) or one layer and never mutates its input
@@ -37,7 +37,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
+from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 from kvplugin.codecs import VALUE_BITS_ATTR
 
 __all__ = [

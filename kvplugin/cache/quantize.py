@@ -29,7 +29,7 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 from kvplugin.cache.cpu_restore import dequantize, restore_layer, restores_here
 from kvplugin.cache.lanes import in_lanes
 from kvplugin.cache.row_chunks import CHUNK_SHARE, in_row_chunks, used_bytes
-from kvplugin.cache.model_widths import (ALLOWED_GROUP_SIZES, cache_widths, head_dim_of,
+from kvplugin.cache.model.widths import (ALLOWED_GROUP_SIZES, cache_widths, head_dim_of,
                                          validate_group_size_for_model)
 from kvplugin.cache.layers import is_quantizable, with_children
 from kvplugin.codecs import (CODEC_ATTR, CODECS, SEED_ATTR, VALUE_BITS_ATTR, CodecPlan,
@@ -58,7 +58,7 @@ __all__ = [
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
 DTYPE_ATTR = "kvplugin_dtype"
 # What a stored layer records about its codec (scalars: they ride along in the SSD file's
-# layer attributes, see kvplugin.cache.serialize): CODEC_ATTR, SEED_ATTR and VALUE_BITS_ATTR
+# layer attributes, see kvplugin.cache.tiers.serialize): CODEC_ATTR, SEED_ATTR and VALUE_BITS_ATTR
 # (kvplugin.codecs; a layer without CODEC_ATTR is ``affine``), and
 # Protected tokens: the first SINK_ATTR tokens and RECENT_ATTR tokens from RECENT_START_ATTR
 # on are kept at full precision as a 4th array of the keys/values tuples (sinks then recent),

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 @hookimpl(trylast=True)
 def kvplugin_make_cache(model: Any, cache: list, settings: KVPluginSettings) -> list | None:
-    from kvplugin.cache import prealloc
+    from kvplugin.cache.bounded import prealloc
 
     if settings.max_kv_size is not None:
         bounded, _ = prealloc.bound_cache(cache, settings.max_kv_size)

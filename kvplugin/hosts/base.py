@@ -3,7 +3,7 @@ jobs every adapter has (building the session, failing at start-up, the model che
 active line, the stats report, checking seams).
 
 An adapter *translates* between a host's internals and kvplugin's engine; it never decides
-policy (that is :mod:`kvplugin.cache.session`). It declares the distribution it patches and
+policy (that is :mod:`kvplugin.cache.service.service`). It declares the distribution it patches and
 the version range it was proven against (the tox matrix); outside that range it says so
 once and patches nothing. Patching is all-or-nothing: if any step fails, every patch
 already applied is undone.
@@ -191,11 +191,11 @@ class HostAdapter:
     # -- the jobs every adapter has, done one way -------------------------------------------
     def make_session(self, settings: Any, *, max_bytes: int | None,
                      max_entries: int | None) -> Any:
-        """The process's :class:`~kvplugin.cache.session.KVService`, on the plugin manager's
+        """The process's :class:`~kvplugin.cache.service.service.KVService`, on the plugin manager's
         hook relay. Raises ``SettingsError`` for every failure: what fails here is the user's
         configuration or a plugin (a plugin refusing it, a tier that cannot be set up), never
         a host seam, so the host stops (exit 2, the message) instead of serving stock."""
-        from kvplugin.cache.session import KVService
+        from kvplugin.cache.service.service import KVService
         from kvplugin.plugins import get_plugin_manager
         from kvplugin.settings import SettingsError
 
@@ -210,7 +210,7 @@ class HostAdapter:
 
     def model_problem(self, model: Any, settings: Any, given_flags: Any = ()) -> str | None:
         """The session's model check (group size vs head dimension), one message."""
-        from kvplugin.cache.checks import model_problem
+        from kvplugin.cache.service.startup_checks import model_problem
 
         return model_problem(model, settings, given_flags)
 

@@ -3,7 +3,7 @@
 Installed by the bootstrap right after ``mlx_lm.server`` is imported (the
 ``mlx_lm.server`` console script and ``python -m mlx_lm server`` both import it).
 Everything mlx-lm-specific lives here; every decision (trim, quantize, bound, spill)
-is made by :class:`kvplugin.cache.session.KVService` and the hooks behind it.
+is made by :class:`kvplugin.cache.service.service.KVService` and the hooks behind it.
 
 Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted):
 
@@ -59,7 +59,7 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from kvplugin.cache.fingerprint import model_fingerprint
+from kvplugin.cache.model.fingerprint import model_fingerprint
 from kvplugin.hosts.base import (
     STATS_PATH,
     config_of,
@@ -213,7 +213,7 @@ class MlxLmAdapter(HostAdapter):
         batch_cls = cache_mod.BatchKVCache
         patches.replace(batch_cls, "merge",
                         adopting_merge(vars(batch_cls)["merge"].__func__, cache_mod.KVCache))
-        from kvplugin.cache.prealloc import register_with_mlx_lm
+        from kvplugin.cache.bounded.prealloc import register_with_mlx_lm
 
         register_with_mlx_lm(patches)
         patches.replace(server, "main", self._wrap_main(server.main))
@@ -377,7 +377,7 @@ class MlxLmAdapter(HostAdapter):
             settings = settings_from_namespace(parser, ns)
         except SettingsError as err:
             parser.error(str(err))
-        from kvplugin.cache.checks import host_option_conflict
+        from kvplugin.cache.service.startup_checks import host_option_conflict
 
         conflict = host_option_conflict(settings, {
             "kv_bits": getattr(ns, "kv_bits", None),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvplugin.cache.admission import AdmissionRefused
+from kvplugin.cache.memory.footprint import AdmissionRefused
 from kvplugin.hosts.base import require, wraps_original
 
 __all__ = ["check_admission_seams", "install_admission"]

@@ -36,7 +36,7 @@ class TierChain:
 
     @property
     def ask_beyond(self) -> int | None:
-        """The smallest ``ask_beyond`` of the tiers (see :mod:`kvplugin.cache.store`)."""
+        """The smallest ``ask_beyond`` of the tiers (see :mod:`kvplugin.cache.store.prompt_store`)."""
         found = [t.ask_beyond for t in self.tiers if getattr(t, "ask_beyond", None) is not None]
         return min(found) if found else None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from kvplugin.cache.serialize import Unsupported
+from kvplugin.cache.tiers.serialize import Unsupported
 
 __all__ = ["Refusals"]
 

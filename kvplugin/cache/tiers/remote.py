@@ -32,9 +32,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from kvplugin.cache.index import to_key
+from kvplugin.cache.store.index import to_key
 from kvplugin.cache.layers import copy_prefix, entry_nbytes
-from kvplugin.cache.serialize import Unsupported
+from kvplugin.cache.tiers.serialize import Unsupported
 from kvplugin.cache.tiers.refusals import Refusals
 from kvplugin.cache.tiers.remote_keys import Namespace
 from kvplugin.cache.tiers.remote_wire import Corrupt, decode, encode, seal

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from kvplugin.cache.index import tokens_bytes
+from kvplugin.cache.store.index import tokens_bytes
 
 __all__ = ["PREFIX", "Namespace", "block_ends", "namespace_of"]
 

@@ -1,7 +1,7 @@
 """What one remote-tier value holds, and the checks a value passes before it is used.
 
 A value is ``MAGIC | blake2b-256 of the rest | safetensors bytes``. The safetensors part is
-the SSD tier's layout (:mod:`kvplugin.cache.serialize`: arrays by name, JSON layer
+the SSD tier's layout (:mod:`kvplugin.cache.tiers.serialize`: arrays by name, JSON layer
 descriptors, the entry's tokens as a tensor): no code runs on load, never pickle. The digest
 covers the header and the data, so a flipped, truncated or foreign value is a miss, never
 served. The namespace and the tokens are checked against the key the value was read under.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from kvplugin.cache.layers import can_copy_prefix
-from kvplugin.cache.serialize import Corrupt, deserialize_cache, serialize_cache
+from kvplugin.cache.tiers.serialize import Corrupt, deserialize_cache, serialize_cache
 
 __all__ = ["MAGIC", "Corrupt", "decode", "encode", "seal"]
 

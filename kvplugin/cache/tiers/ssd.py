@@ -70,9 +70,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvplugin.cache.index import KeyIndex, to_key
+from kvplugin.cache.store.index import KeyIndex, to_key
 from kvplugin.cache.layers import can_copy_prefix, copy_prefix
-from kvplugin.cache.serialize import Corrupt, Unsupported, deserialize_cache, serialize_cache
+from kvplugin.cache.tiers.serialize import Corrupt, Unsupported, deserialize_cache, serialize_cache
 from kvplugin.cache.tiers.refusals import Refusals
 from kvplugin.cache.tiers.ssd_dir import DirView, dir_lock, leftover_name, make_room, scan
 from kvplugin.cache.tiers.ssd_file import (ENTRY_NAME as _ENTRY_NAME, FORMAT, SUFFIX, TOKENS,

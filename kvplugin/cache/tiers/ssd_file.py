@@ -25,7 +25,7 @@ the format and read by every process sharing a directory; the tier
   their subclasses whose extra instance attributes are plain scalars, and kvplugin's
   ``QuantizedRotatingKVCache`` (a rotating layer stored quantized); a bounded
   ``PreallocatedRotatingKVCache`` is stored without its undo log (see
-  :mod:`kvplugin.cache.serialize`).  The tier refuses anything else: counted by reason
+  :mod:`kvplugin.cache.tiers.serialize`).  The tier refuses anything else: counted by reason
   (``refused_by_reason``: ``unsupported:<class>``) and said once.  On load the real class
   is used if its module is already imported (nothing is imported from file data) and it
   subclasses the recorded kind; otherwise the kind's mlx-lm class.
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kvplugin.cache.index import tokens_bytes
-from kvplugin.cache.serialize import Corrupt
+from kvplugin.cache.store.index import tokens_bytes
+from kvplugin.cache.tiers.serialize import Corrupt
 
 __all__ = ["ENTRY_NAME", "FORMAT", "SUFFIX", "TOKENS", "fsync_dir", "is_regular", "key_name",
            "model_dir_name", "read_header", "tensor_digest", "unlink"]

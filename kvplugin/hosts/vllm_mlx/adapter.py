@@ -209,7 +209,7 @@ class VllmMlxAdapter(HostAdapter):
         if self.install_serving(args, settings):
             announce(self, args, settings)
             return
-        from kvplugin.cache.checks import unpatched_problem  # lazy: mlx loads with the engine
+        from kvplugin.cache.service.startup_checks import unpatched_problem  # lazy: mlx loads with the engine
 
         problem = unpatched_problem(settings, self.name)
         if problem is not None:
@@ -286,7 +286,7 @@ class VllmMlxAdapter(HostAdapter):
         self.runtime.service = self._make_service(settings, args, memory_cache)
         self._at_exit = self._close_at_exit
         atexit.register(self._at_exit)  # shut-down: store closed, then kvplugin_unconfigure
-        from kvplugin.cache.prealloc import register_with_mlx_lm
+        from kvplugin.cache.bounded.prealloc import register_with_mlx_lm
 
         register_with_mlx_lm(patches)
         simple.install(patches, self, mlx_lm, gen_mod, host_simple)

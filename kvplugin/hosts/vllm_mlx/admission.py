@@ -29,7 +29,7 @@ __all__ = ["admit_or_raise", "check_seams", "install"]
 def admit_or_raise(service: Any, key: Any, model: Any, *, prompt_tokens: int, max_tokens: int,
                    prefill_chunk: int, batched: bool = False) -> None:
     """The session's admission control; a refusal as the ``HTTPException`` vllm-mlx answers."""
-    from kvplugin.cache.admission import AdmissionRefused
+    from kvplugin.cache.memory.footprint import AdmissionRefused
 
     try:
         service.admission.admit(key, model, prompt_tokens=prompt_tokens,

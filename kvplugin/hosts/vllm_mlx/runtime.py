@@ -33,13 +33,13 @@ class Runtime:
         entries persisted on disk are never served to another checkpoint."""
         if self.model_id:
             if self._model_fp is None:
-                from kvplugin.cache.fingerprint import model_fingerprint
+                from kvplugin.cache.model.fingerprint import model_fingerprint
 
                 self._model_fp = model_fingerprint(str(self.model_id))
             base = self._model_fp
         else:  # --models-config: several models, identified by their architecture
             base = _host_fingerprint(model)
-        from kvplugin.cache.session import store_key  # lazy: mlx loads with the engine
+        from kvplugin.cache.service.service import store_key  # lazy: mlx loads with the engine
 
         return store_key("vllm-mlx", base, self.settings)
 

@@ -36,7 +36,7 @@ VARIANTS = ("stock growth", "stock rotating", "kvplugin")
 def _caches(variant: str, model: Any, bound: int) -> list:
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from kvplugin.cache.prealloc import bound_cache
+    from kvplugin.cache.bounded.prealloc import bound_cache
 
     n = len(model.layers)
     if variant == "stock growth":

@@ -49,7 +49,7 @@ def decode_seconds(variant: str, model: Any, prompts: list[list[int]], bound: in
     """Seconds to decode ``steps`` tokens for every prompt, served as ``variant`` says."""
     from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
-    from kvplugin.cache.keep_batch import KeepingBatchRotatingKVCache
+    from kvplugin.cache.bounded.keep_batch import KeepingBatchRotatingKVCache
 
     n, pad = len(model.layers), [0] * len(prompts)
     if variant == "one at a time":

@@ -154,7 +154,7 @@ _Factory = Callable[[], list]
 
 def growth_configs(tokens: int, layers: int) -> list[tuple[str, str, str, int, _Factory]]:
     """(name, kind, label, capacity in tokens, factory of a fresh per-request cache list)."""
-    from kvplugin.cache import prealloc
+    from kvplugin.cache.bounded import prealloc
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     half = max(tokens // 2, 8)
@@ -270,7 +270,7 @@ def bench_growth(geo: Geometry, tokens: int, prefill: int, repeats: int,
 
 def _service(*, bits: int | None = None, group_size: int = 64, max_bytes: int = 1 << 62):
     """A real kvplugin ``KVService`` (hot tier only, quantization as asked, no threshold)."""
-    from kvplugin.cache.session import KVService
+    from kvplugin.cache.service.service import KVService
     from kvplugin.plugins import get_plugin_manager
     from kvplugin.settings import KVPluginSettings
 
@@ -300,7 +300,7 @@ def _reuse_one(geo: Geometry, n_entry: int, scenario: str, path: str, turn: int,
     is fed again) or ``next_turn`` (request = stored tokens + ``turn`` new tokens).
     ``path``: ``stock`` (LRUPromptCache + deepcopy), ``kvplugin`` (KVService: trim at insert,
     move on fetch) or ``move_untrimmed`` (PromptStore move of the untrimmed live cache)."""
-    from kvplugin.cache.store import PromptStore
+    from kvplugin.cache.store.prompt_store import PromptStore
     from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
 
     mx = mlx_core()

@@ -182,7 +182,7 @@ def _footprint(model_dir: str) -> Any:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvplugin.cache.admission import probe_footprint
+    from kvplugin.cache.memory.footprint import probe_footprint
 
     model, _ = load(model_dir)
     return probe_footprint(model, make_prompt_cache(model), [1] * 4)

@@ -143,7 +143,7 @@ def probe_footprint(model: Any, cache: list, tokens: list[int]) -> Footprint:
     import mlx.core as mx
 
     from kvplugin.cache.layers import entry_arrays, growth_of
-    from kvplugin.cache.model_widths import _configs, _field, _pos_int
+    from kvplugin.cache.model.widths import _configs, _field, _pos_int
 
     model(mx.array([tokens]), cache=cache)
     mx.eval(entry_arrays(cache))

@@ -44,6 +44,8 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from kvplugin.cache.bounded.keep_batch import KeepingBatchRotatingKVCache
+
 __all__ = [
     "PreallocatedRotatingKVCache",
     "register_with_mlx_lm",
@@ -338,8 +340,6 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
         """Batch these rows (mlx-lm's batched path). Rows that keep first tokens go to a batch
         cache that keeps them too, so a request answers the same batched or not."""
         if caches[0].keep > 0:
-            from kvplugin.cache.keep_batch import KeepingBatchRotatingKVCache  # imports us
-
             return KeepingBatchRotatingKVCache.merge(caches)
         return BatchRotatingKVCache.merge(caches)
 

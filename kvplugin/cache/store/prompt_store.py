@@ -3,7 +3,7 @@
 Host-independent and tier-independent: the cold tier is any :class:`kvplugin.types.ColdTier`
 handed in (the built-in one, ``kvplugin.cache.tiers.ssd.SSDTier``, is never imported here).
 What a layer can do (trim, copy a prefix, price) is asked of :mod:`kvplugin.cache.layers`;
-the token index (trie + LRU) is :class:`kvplugin.cache.index.KeyIndex`.
+the token index (trie + LRU) is :class:`kvplugin.cache.store.index.KeyIndex`.
 
 Vocabulary
 ----------
@@ -93,7 +93,7 @@ write does not double memory (unlike ``copy.deepcopy``).
 Contention
 ----------
 A move records what it hands out, once ``fetch``'s ``restore`` (dequantization) has made it
-(:mod:`kvplugin.cache.lent`, :func:`kvplugin.cache.layers.lend_view`): a dequantized
+(:mod:`kvplugin.cache.store.lent`, :func:`kvplugin.cache.layers.lend_view`): a dequantized
 entry's quantized layers as they were stored (the turn's insert copies their rows), else
 append-only layers (``KVCache``) themselves, whose prefix never changes and which cost nothing to keep;
 other layers as a snapshot (new array objects on the same buffers, no bytes copied; the
@@ -144,10 +144,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvplugin.cache.index import KeyIndex, to_key
+from kvplugin.cache.store.index import KeyIndex, to_key
 from kvplugin.cache.layers import (can_copy_prefix, copy_floor, copy_lent, copy_prefix,
                                    entry_nbytes, entry_tokens, is_trimmable, prefix_views)
-from kvplugin.cache.lent import MAX_LENT, Lent
+from kvplugin.cache.store.lent import MAX_LENT, Lent
 from kvplugin.types import ColdTier, StoreEntry
 
 __all__ = ["ColdTier", "MAX_LENT", "PromptStore", "StoreEntry", "StoreStats"]
@@ -553,7 +553,7 @@ class PromptStore:
     def stored_prefix(self, model_key: str, tokens: Sequence[int]) -> list | None:
         """The entry held here that shares most leading tokens with ``tokens`` (stored, or
         moved out by this thread and lent as the codec stored it), as views cut to what it
-        shares: what :meth:`~kvplugin.cache.session.KVService.prepare_entry` hands the
+        shares: what :meth:`~kvplugin.cache.service.service.KVService.prepare_entry` hands the
         codec, which copies the rows it already quantized instead of quantizing them again.
         A shared prefix counts, not only a whole stored key: a conversation's next turn
         usually reuses its previous entry only up to where the reply was tokenized anew.

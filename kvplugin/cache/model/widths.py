@@ -1,8 +1,8 @@
 """What a model's attention layers put in their caches: head and cache widths from its config.
 
 Why a module of its own: the codec checks its group size against these widths before a
-server starts (:mod:`kvplugin.cache.checks`), and admission control sizes a prompt's cache
-from the same config fields (:mod:`kvplugin.cache.admission`); neither needs the codec.
+server starts (:mod:`kvplugin.cache.service.startup_checks`), and admission control sizes a prompt's cache
+from the same config fields (:mod:`kvplugin.cache.memory.footprint`); neither needs the codec.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def model_problem(model: Any, settings: KVPluginSettings | None,
     """
     if settings is None or not settings.kv_cache_quantization or model is None:
         return None
-    from kvplugin.cache.model_widths import validate_group_size_for_model
+    from kvplugin.cache.model.widths import validate_group_size_for_model
 
     group = settings.kv_cache_quantization_group_size
     try:

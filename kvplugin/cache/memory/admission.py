@@ -1,6 +1,6 @@
 """The admission policy of one host process: estimate, evict, admit or refuse.
 
-Why a module of its own: the estimate (:mod:`kvplugin.cache.admission`) is arithmetic; this
+Why a module of its own: the estimate (:mod:`kvplugin.cache.memory.footprint`) is arithmetic; this
 is the policy around it that the session owns and every host adapter calls the same way:
 
 1. ``learn_model`` once per loaded model: probe its cache layers (a few tokens through a fresh
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
-from kvplugin.cache.admission import AdmissionRefused, Footprint, Ledger, Verdict, probe_footprint
+from kvplugin.cache.memory.footprint import AdmissionRefused, Footprint, Ledger, Verdict, probe_footprint
 from kvplugin.log import say
 
 __all__ = ["AdmissionControl", "AdmissionRefused"]

@@ -13,7 +13,7 @@ and applies the answer in the host's own terms. What is decided here, once for e
 * what an entry is keyed by, trimmed and quantized to (:meth:`~KVService.give_back`);
 * batch growth steps (:meth:`~KVService.batch_steps`);
 * (the start-up checks hosts run before a session exists live in
-  :mod:`kvplugin.cache.checks`);
+  :mod:`kvplugin.cache.service.startup_checks`);
 * the one ``active`` line (:meth:`~KVService.active_line`) and the report/stats.
 
 The hook relay (``pm.hook``) is passed in: the engine never imports the plugin manager.
@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from kvplugin.cache.layers import dense_nbytes, entry_nbytes, entry_tokens, layer_bits
-from kvplugin.cache.prealloc import rewind_decode
-from kvplugin.cache.pressure import AdmissionControl
-from kvplugin.cache.prompts import RecentPrompts
-from kvplugin.cache.release import mlx_memory
-from kvplugin.cache.store import PromptStore
+from kvplugin.cache.bounded.prealloc import rewind_decode
+from kvplugin.cache.memory.admission import AdmissionControl
+from kvplugin.cache.store.prompts import RecentPrompts
+from kvplugin.cache.memory.release import mlx_memory
+from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.tiers import remote_stats
 from kvplugin.cache.tiers.shutdown import ShutdownOnlyTier
-from kvplugin.cache.validate import ModelChecker
+from kvplugin.cache.model.fit import ModelChecker
 from kvplugin.codecs import codec_plan
 from kvplugin.settings import KVPluginSettings, masked_url
 
@@ -177,7 +177,7 @@ class KVService:
                       tokens: Sequence[int] | None = None, *,
                       stored_prefix: list | None = None) -> list:
         """Trim and (per settings) quantize an entry before it is stored; ``tokens`` (what it
-        holds) tell the codec where earlier prompts ended (:mod:`kvplugin.cache.prompts`),
+        holds) tell the codec where earlier prompts ended (:mod:`kvplugin.cache.store.prompts`),
         ``stored_prefix`` (:meth:`PromptStore.stored_prefix`) which rows it quantized already."""
         before = entry_nbytes(cache)
         trimmed = self.hook.kvplugin_trim_entry(cache=cache)
@@ -247,7 +247,7 @@ class KVService:
         a tier that shares entries (the remote one), from this thread (it owns the arrays).
 
         ``prompt_len`` (where the prompt ended in ``tokens``) is learnt from recent fetches
-        when not given (:mod:`kvplugin.cache.prompts`), for every host path alike: without it a
+        when not given (:mod:`kvplugin.cache.store.prompts`), for every host path alike: without it a
         conversation's previous turn is never superseded and the store holds it once per turn.
         """
         if prompt_len is None:
@@ -264,8 +264,8 @@ class KVService:
         limit (``--max-memory``; off: of physical memory). Below that the buffers are kept
         for the next request to reuse, as MLX intends."""
         self.admission.finish(key)
-        from kvplugin.cache.admission import physical_memory
-        from kvplugin.cache.release import buffer_cache_bytes
+        from kvplugin.cache.memory.footprint import physical_memory
+        from kvplugin.cache.memory.release import buffer_cache_bytes
 
         ledger = self.admission.ledger
         limit = ledger.limit if ledger is not None else physical_memory()
@@ -335,7 +335,7 @@ class KVService:
         """The best stored entry for ``tokens``, restored to full precision, owned by the caller.
 
         With ``model`` (the model the host will run it with), an entry from the cold tier is
-        first checked against the model's own cache (:mod:`kvplugin.cache.validate`): one that
+        first checked against the model's own cache (:mod:`kvplugin.cache.model.fit`): one that
         does not fit is a counted miss (``entries_invalid``), said once, never handed over.
 
         Returns ``(cache, n)``: the cache covers the first ``n`` tokens of ``tokens`` (at
@@ -488,7 +488,7 @@ class KVService:
 
     def release_memory(self) -> int:
         """Hand MLX's buffer cache back to the system (after evictions and codec passes); counted."""
-        from kvplugin.cache.release import release_buffer_cache
+        from kvplugin.cache.memory.release import release_buffer_cache
 
         released = release_buffer_cache()
         with self._lock:

@@ -6,7 +6,7 @@ want the same prefix (stock deep-copies for both). So a move records a
 (free to hold), every other layer as a snapshot. A later fetch of this thread may copy from it
 (:meth:`Lent.best`); the insert that continues it settles it (:meth:`Lent.settle`).
 
-Not thread-safe: :class:`~kvplugin.cache.store.PromptStore` calls it under its lock.
+Not thread-safe: :class:`~kvplugin.cache.store.prompt_store.PromptStore` calls it under its lock.
 """
 
 from __future__ import annotations

@@ -28,8 +28,6 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
-from kvplugin.cache.prealloc import PreallocatedRotatingKVCache
-
 __all__ = ["KeepingBatchRotatingKVCache"]
 
 
@@ -40,6 +38,10 @@ class KeepingBatchRotatingKVCache(BatchRotatingKVCache):
     bound a row holds. ``sinks_on``: the ring masks each row's first ``keep`` tokens and
     attention gets the sinks in front.
     """
+
+    #: what :meth:`extract` gives back: the class the rows were merged from (set by
+    #: :meth:`merge`; the batch never names it, so the row class may import this one)
+    row_class: type = RotatingKVCache
 
     def __init__(self, bound: int, left_padding: Sequence[int], keep: int = 4):
         if not 0 < keep < bound - 1:
@@ -172,14 +174,15 @@ class KeepingBatchRotatingKVCache(BatchRotatingKVCache):
             self.sink_values = mx.concatenate([self.sink_values, other.sink_values])
         self._sinks_full = self._sinks_full and other._sinks_full
 
-    def extract(self, idx: int) -> PreallocatedRotatingKVCache:
-        """Row ``idx`` as the sequential path's ``PreallocatedRotatingKVCache(bound, keep)``,
-        so a stored entry merges back into this class: its tokens in order while none was
-        dropped, else its first ``keep`` and newest ``bound - keep`` (what that class keeps)."""
+    def extract(self, idx: int) -> RotatingKVCache:
+        """Row ``idx`` as the class its rows were merged from (the sequential path's
+        ``PreallocatedRotatingKVCache(bound, keep)``), so a stored entry merges back into this
+        class: its tokens in order while none was dropped, else its first ``keep`` and newest
+        ``bound - keep`` (what that class keeps)."""
         mx.eval(self.left_padding, self.offset)
         padding = max(0, self.left_padding.tolist()[idx])
         offset = self.offset.tolist()[idx]
-        cache = PreallocatedRotatingKVCache(self.bound, self.keep)
+        cache = self.row_class(self.bound, self.keep)
         if self.keys is None:
             return cache
         k, v = self.keys[idx: idx + 1], self.values[idx: idx + 1]
@@ -212,7 +215,9 @@ class KeepingBatchRotatingKVCache(BatchRotatingKVCache):
                                              c._temporal_order(c.values)) for c in caches]
         width = max((r[0].shape[2] for r in rows if r is not None), default=0)
         if width == 0:
-            return cls(bound, [0] * len(caches), keep)
+            empty = cls(bound, [0] * len(caches), keep)
+            empty.row_class = type(caches[0])
+            return empty
         padding = [width - (0 if r is None else r[0].shape[2]) for r in rows]
         k0, v0 = next(r for r in rows if r is not None)
         B, H = len(caches), k0.shape[1]
@@ -229,6 +234,7 @@ class KeepingBatchRotatingKVCache(BatchRotatingKVCache):
             sink_k[i: i + 1, :, :n] = r[0][..., :n, :]
             sink_v[i: i + 1, :, :n] = r[1][..., :n, :]
         cache = cls(bound, padding, keep)
+        cache.row_class = type(caches[0])
         cache.keys, cache.values = keys, values
         cache.sink_keys, cache.sink_values = sink_k, sink_v
         cache.offset = mx.array([c.offset for c in caches])

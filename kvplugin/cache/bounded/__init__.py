@@ -1,0 +1,1 @@
+"""bounded: see the modules."""

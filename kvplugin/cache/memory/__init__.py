@@ -1,0 +1,1 @@
+"""memory: see the modules."""

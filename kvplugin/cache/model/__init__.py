@@ -1,0 +1,1 @@
+"""model: see the modules."""
