@@ -239,8 +239,15 @@ class KVPluginSettings(BaseSettings):
         "hold; past it a write is dropped and counted.",
         json_schema_extra={"allowed": "a number > 0"},
     )
+    kv_cache_require_salt: bool = Field(
+        False,
+        description="Refuse (HTTP 400) a generation request without a 'cache_salt' (vLLM's "
+        "request field), for a cache that serves several tenants: requests of different "
+        "salts never share a prefix, in any tier. See docs/configuration.md#tenants.",
+    )
 
-    @field_validator("kv_cache_quantization", "hot_cache_only", mode="before")
+    @field_validator("kv_cache_quantization", "hot_cache_only", "kv_cache_require_salt",
+                     mode="before")
     @classmethod
     def _strict_bool(cls, v: Any) -> Any:
         """pydantic also takes "t", "y", "f", "n" ...; users get exactly the documented words."""
