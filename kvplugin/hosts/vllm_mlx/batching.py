@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 from kvplugin.hosts.base import PatchRegistry, require_attrs
+from kvplugin.hosts.vllm_mlx.salt import UNKNOWN, owner_salt, request_salt
 from kvplugin.log import say
 
 _MB = 1024 * 1024
@@ -171,6 +172,7 @@ class KVPrefixCache:
         self._ssd_tier = None
         self._model_id = id(model)
         self._model = model  # the scheduler's own: fetched entries are checked against it
+        self._scheduler: Any = None  # weakref to the scheduler (salt.owner_salt reads it)
         self._memory_lock = threading.RLock()
         self._rejections = 0
         if rt.settings is not None and rt.settings.kv_cache_quantization:
@@ -205,7 +207,8 @@ class KVPrefixCache:
             self._last_match_type = "miss"
             return None, tokens
         try:
-            cache, n = self._service.fetch(self._key, tokens, model=self._model)
+            key = self._service.salted_key(self._key, request_salt())
+            cache, n = self._service.fetch(key, tokens, model=self._model)
         except Exception as exc:
             say(f"prefix-cache fetch failed ({type(exc).__name__}: {exc})", key="fetch-failed")
             cache, n = None, 0
@@ -231,11 +234,20 @@ class KVPrefixCache:
             held = len(tokens) if held is None else held  # recurrent state: the host's key
             if held > len(tokens) or held < self._min_tokens:
                 return None
-            donor = self._service.stored_prefix(self._key, tokens[:held])
+            scheduler = self._scheduler() if self._scheduler is not None else None
+            salt = owner_salt(scheduler, tokens, cache)
+            if salt is UNKNOWN:  # never stored where another request's salt could find it
+                self._rejections += 1
+                say("a prefix-cache entry could not be matched to one request's cache_salt "
+                    "(requests of two salts hold the same tokens); not stored",
+                    key="vllm-mlx:store-unknown-salt")
+                return None
+            key = self._service.salted_key(self._key, salt)
+            donor = self._service.stored_prefix(key, tokens[:held])
             entry = self._service.prepare_entry(list(cache), held, tokens[:held],
-                                                stored_prefix=donor)
+                                                stored_prefix=donor, model_key=key)
             entry = detach_shared_layers(entry, cache, self._host_memory_cache)
-            return (tuple(tokens[:held]), entry)
+            return (tuple(tokens[:held]), entry, key)
         except Exception as exc:
             self._rejections += 1
             say(f"prefix-cache store failed ({type(exc).__name__}: {exc})", key="store-failed")
@@ -247,8 +259,8 @@ class KVPrefixCache:
             return False
         if commit_guard is not None and not commit_guard():
             return False
-        key, cache = entry
-        ok = self._service.store_prepared(self._key, key, cache)
+        tokens, cache, key = entry
+        ok = self._service.store_prepared(key, tokens, cache)
         if not ok:
             self._rejections += 1
         return ok
