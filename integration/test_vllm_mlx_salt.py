@@ -53,6 +53,19 @@ def test_two_salts_never_share_a_prefix_and_no_salt_reuses_as_before(servers, mo
     assert reused < prompt // 4, reused  # nor does a request without a salt see it
     n2, reused = _ask(srv, system, "Where do the buses go?")
     assert reused >= prompt // 2, (reused, n2["usage"])  # without a salt: reuse as today
+    # streamed (served from another task of the request): the salt still goes with it
+    assert _streamed(srv, system, "Is the mill open?", salt_b) >= prompt // 2  # b's own now
+    assert _streamed(srv, system, "Is the mill open?", f"{SALT_B}-new-{mode}") == 0
+
+
+def _streamed(srv, system, question, salt) -> int:
+    """Prompt tokens the store reused for one streamed request."""
+    before = srv.get("/kvplugin/stats")["store_tokens_reused"]
+    body = {"model": srv.model, "messages": [system, {"role": "user", "content": question}],
+            "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True, "cache_salt": salt}
+    status, text = srv.request("POST", "/v1/chat/completions", body)
+    assert status == 200 and "[DONE]" in str(text), (status, text)
+    return srv.get("/kvplugin/stats")["store_tokens_reused"] - before
 
 
 def test_a_salted_prefix_crosses_redis_for_its_salt_only(servers, redis_server):
