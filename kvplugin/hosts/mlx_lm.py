@@ -45,7 +45,8 @@ Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted):
     Wrapped: ``GET /kvplugin/stats`` answers the service's counters and the stored
     entries as JSON, ``GET /metrics`` kvplugin's Prometheus series (mlx-lm has no
     ``/metrics`` of its own); every other path goes to the host.
-``APIHandler.handle_completion``, ``ResponseGenerator._tokenize`` / ``_serve_single``, ``BatchGenerator.insert_segments`` / ``extract_cache`` / ``next``
+``APIHandler.handle_completion``, ``ResponseGenerator._tokenize`` / ``_serve_single``,
+``BatchGenerator.insert_segments`` / ``extract_cache`` / ``next``
     Wrapped (:mod:`kvplugin.hosts.mlx_lm_salt`): a request's ``cache_salt`` reaches the
     prompt cache's calls, which key by it (400 for a bad one).
 """
