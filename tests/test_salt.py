@@ -20,7 +20,7 @@ from kvplugin.cache.tiers.remote import RemoteTier
 from kvplugin.cache.tiers.remote_keys import namespace_of
 from kvplugin.cache.tiers.ssd import SSDTier
 from kvplugin.plugins import create_plugin_manager
-from kvplugin.settings import resolve_settings
+from kvplugin.settings import SettingsError, resolve_settings
 from kvplugin.tools.redisproc import RedisServer
 
 from kvcaches import filled
@@ -143,3 +143,19 @@ def test_redis_keys_of_two_salts_differ_and_a_published_entry_stays_its_salts():
             one.close()
             two.close()
     mx.clear_cache()
+
+
+def test_require_salt_comes_from_flag_variable_or_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("KVPLUGIN_KV_CACHE_REQUIRE_SALT", raising=False)
+    assert resolve_settings().kv_cache_require_salt is False
+    (tmp_path / "kvplugin.toml").write_text("kv_cache_require_salt = true\n")
+    assert resolve_settings().kv_cache_require_salt is True
+    monkeypatch.setenv("KVPLUGIN_KV_CACHE_REQUIRE_SALT", "off")
+    assert resolve_settings().kv_cache_require_salt is False  # the variable beats the file
+    assert resolve_settings({"kv_cache_require_salt": True}).kv_cache_require_salt is True
+    monkeypatch.setenv("KVPLUGIN_KV_CACHE_REQUIRE_SALT", "maybe")
+    with pytest.raises(SettingsError, match="--kv-cache-require-salt / "
+                                            "KVPLUGIN_KV_CACHE_REQUIRE_SALT"):
+        resolve_settings()
