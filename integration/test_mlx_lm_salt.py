@@ -53,6 +53,7 @@ def test_two_salts_never_share_a_prefix_and_no_salt_reuses_as_before(replicas, s
     assert cached_tokens(n1) < prompt // 4, n1["usage"]
     n2 = _ask(srv, system, "Where do the buses go?", None, seed)
     assert cached_tokens(n2) >= prompt // 2, n2["usage"]  # without a salt: reuse as today
+    assert "could not be matched" not in srv.log_text()  # every call's request was known
 
 
 def test_a_salted_prefix_crosses_redis_for_its_salt_only(replicas, redis_server):

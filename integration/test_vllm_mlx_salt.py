@@ -56,6 +56,7 @@ def test_two_salts_never_share_a_prefix_and_no_salt_reuses_as_before(servers, mo
     # streamed (served from another task of the request): the salt still goes with it
     assert _streamed(srv, system, "Is the mill open?", salt_b) >= prompt // 2  # b's own now
     assert _streamed(srv, system, "Is the mill open?", f"{SALT_B}-new-{mode}") == 0
+    assert "could not be matched" not in srv.log_text()  # every call's request was known
 
 
 def _streamed(srv, system, question, salt) -> int:
