@@ -201,7 +201,8 @@ class KVPluginSettings(BaseSettings):
         description="A Redis/Valkey server shared by replicas, behind the hot and SSD tiers: "
         "every stored entry is published there (off the request thread) and a local miss "
         "looks there, in two round trips. Off under --hot-cache-only. See docs/remote.md.",
-        json_schema_extra={"allowed": "redis://[user:pass@]host:port/db, rediss://... (TLS) "
+        json_schema_extra={"allowed": "redis://[user:pass@]host:port/db, rediss://... (TLS; "
+                                      "?ssl_ca_certs=/path/ca.pem names the CA to trust) "
                                       "or unix:///path/to/socket"},
     )
     kv_cache_remote_timeout_ms: int = Field(
@@ -239,8 +240,15 @@ class KVPluginSettings(BaseSettings):
         "hold; past it a write is dropped and counted.",
         json_schema_extra={"allowed": "a number > 0"},
     )
+    kv_cache_require_salt: bool = Field(
+        False,
+        description="Refuse (HTTP 400) a generation request without a 'cache_salt' (vLLM's "
+        "request field), for a cache that serves several tenants: requests of different "
+        "salts never share a prefix, in any tier. See docs/configuration.md#tenants.",
+    )
 
-    @field_validator("kv_cache_quantization", "hot_cache_only", mode="before")
+    @field_validator("kv_cache_quantization", "hot_cache_only", "kv_cache_require_salt",
+                     mode="before")
     @classmethod
     def _strict_bool(cls, v: Any) -> Any:
         """pydantic also takes "t", "y", "f", "n" ...; users get exactly the documented words."""
@@ -345,6 +353,7 @@ class KVPluginSettings(BaseSettings):
         if url.scheme != "unix" and db and not db.isdigit():
             raise ValueError(f"the database {db!r} is not a number")
         del port
+        _check_tls_files(url.scheme, url.query)
         return text
 
     @field_validator("ssd_cache_max_gb", "kv_cache_remote_max_value_mb", "kv_cache_remote_queue_mb")
@@ -397,6 +406,24 @@ class KVPluginSettings(BaseSettings):
         return None if self.hot_cache_only else self.ssd_cache_dir
 
 
+#: Query parameters of a ``rediss://`` URL that name files the redis client reads.
+TLS_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
+
+
+def _check_tls_files(scheme: str, query: str) -> None:
+    """TLS options only on ``rediss://``, and the files they name readable now: a missing CA
+    would otherwise surface at the first connection, as a Redis that is down."""
+    from urllib.parse import parse_qsl
+
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if not name.startswith("ssl_"):
+            continue
+        if scheme != "rediss":
+            raise ValueError(f"{name} is a TLS option: use rediss://")
+        if name in TLS_FILE_OPTIONS and not os.access(value, os.R_OK):
+            raise ValueError(f"{name}={value} cannot be read")
+
+
 def option_infos() -> list[OptionInfo]:
     """The user-facing description of every option, in declaration order."""
     infos = []
@@ -417,20 +444,24 @@ def option_infos() -> list[OptionInfo]:
 
 
 def masked_url(url: str) -> str:
-    """``url`` without its password: for messages, stats and ``kvplugin info``."""
-    from urllib.parse import urlsplit, urlunsplit
+    """``url`` without its passwords (the one before the host, and any query parameter
+    named ``*password*``, which the redis client also takes): for messages, stats, logs and
+    ``kvplugin info``."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        host = parts.hostname or ""
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
+        netloc, query = parts.netloc, parts.query
+        if parts.password is not None:
+            host = netloc.rpartition("@")[2]  # as written ([::1]:6379 keeps its brackets)
+            netloc = (f"{parts.username}:***@" if parts.username else ":***@") + host
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any("password" in name.lower() for name, _ in pairs):
+            query = urlencode([(n, "***" if "password" in n.lower() else v) for n, v in pairs],
+                              safe="/*")
     except ValueError:
         return "<a URL>"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def shown_value(field: str, value: Any) -> Any:

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvplugin.hosts import vllm_mlx as host
-from kvplugin.hosts.vllm_mlx import batching, metrics, simple
+from kvplugin.hosts.vllm_mlx import batching, metrics, salt, simple
 from kvplugin.settings import resolve_settings
 
 cache_mod = importlib.import_module("mlx_lm.models.cache")
@@ -137,7 +137,8 @@ def _fake_vllm() -> types.SimpleNamespace:
     server = types.ModuleType("vllm_mlx.server")
     server.load_model = lambda model_name, **kw: calls.append(("load_model", model_name))
     router = types.SimpleNamespace(routes=["host route"])
-    server.app = types.SimpleNamespace(router=router)
+    server.app = types.SimpleNamespace(router=router, user_middleware=["host middleware"],
+                                       middleware_stack=None)
     server._engine = None
 
     met = types.ModuleType("vllm_mlx.metrics")
@@ -174,8 +175,20 @@ def _fake_vllm() -> types.SimpleNamespace:
         async def stop(self):
             return "stopped"
 
+        async def _submit_to_generation_worker(self, worker, fn, *args):
+            return fn(*args)
+
     simple_mod.SimpleEngine = SimpleEngine
     simple_mod.build_system_prompt_cache_prefix = lambda *a, **k: "snapshot"
+
+    request_mod = types.ModuleType("vllm_mlx.request")
+
+    @dataclasses.dataclass
+    class Request:
+        request_id: str
+        prompt_token_ids: list | None = None
+
+    request_mod.Request = Request
 
     engine = types.ModuleType("vllm_mlx.engine")
     engine.__path__ = []
@@ -183,11 +196,12 @@ def _fake_vllm() -> types.SimpleNamespace:
     pkg = types.ModuleType("vllm_mlx")
     pkg.__path__ = []
     for name, mod in (("cli", cli), ("memory_cache", mc), ("scheduler", sched),
-                      ("server", server), ("metrics", met), ("engine", engine)):
+                      ("server", server), ("metrics", met), ("engine", engine),
+                      ("request", request_mod)):
         setattr(pkg, name, mod)
     return types.SimpleNamespace(pkg=pkg, cli=cli, memory_cache=mc, scheduler=sched,
                                  server=server, metrics=met, engine=engine, batched=batched,
-                                 simple=simple_mod, calls=calls)
+                                 simple=simple_mod, request=request_mod, calls=calls)
 
 
 class _FakeModel:
@@ -202,11 +216,12 @@ def fake(monkeypatch):
                       ("vllm_mlx.scheduler", f.scheduler), ("vllm_mlx.server", f.server),
                       ("vllm_mlx.metrics", f.metrics), ("vllm_mlx.engine", f.engine),
                       ("vllm_mlx.engine.batched", f.batched),
-                      ("vllm_mlx.engine.simple", f.simple)):
+                      ("vllm_mlx.engine.simple", f.simple), ("vllm_mlx.request", f.request)):
         monkeypatch.setitem(sys.modules, name, mod)
     # the stats route is a FastAPI route (FastAPI is vllm-mlx's, absent in mlx-lm envs);
     # its handler is tested on its own below
     monkeypatch.setattr(metrics, "stats_route", lambda adapter: ("kvplugin route", adapter))
+    monkeypatch.setattr(salt, "middleware", lambda adapter: ("kvplugin middleware", adapter))
     return f
 
 
@@ -337,7 +352,9 @@ def test_serving_patches_every_seam_and_uninstall_restores_everything(adapter, f
              (cache_mod.BatchKVCache, "step"),
              (f.batched.BatchedEngine, "save_cache_to_disk"),
              (f.batched.BatchedEngine, "load_cache_from_disk"), (f.server, "load_model"),
-             (f.metrics.MetricsCollector, "_init_prometheus"), (f.server.app.router, "routes")]
+             (f.metrics.MetricsCollector, "_init_prometheus"), (f.server.app.router, "routes"),
+             (f.server.app, "user_middleware"), (f.request.Request, "__init__"),
+             (f.simple.SimpleEngine, "_submit_to_generation_worker")]
     before = _owned(*seams)
     routes = f.server.app.router.routes
     adapter.apply(f.cli, adapter.registry)  # stage 1 as install does (no version gate here)
@@ -532,7 +549,7 @@ def test_prefix_cache_is_the_hosts_class_backed_by_the_session(adapter, fake):
 def test_prefix_cache_detaches_layers_the_session_returned_unchanged(adapter, fake):
     _, pc = _prefix_cache(adapter, fake)
     live = [_exact_layer(8, 0), _exact_layer(8, 2)]
-    key, entry = pc.prepare_store(list(range(8)), live)
+    key, entry, _ = pc.prepare_store(list(range(8)), live)
     assert key == tuple(range(8))
     assert not any(a is b for a, b in zip(entry, live))  # no view of the live batch is kept
     assert ("detach", 2) in fake.calls
@@ -609,3 +626,4 @@ def test_stats_handler_reports_session_and_mode(adapter, fake):
     assert body["mode"] == "continuous-batching" and body["host"] == "vllm-mlx"
     assert body["entries"][0]["tokens"] == 10 and body["store_entries"] == 1
     assert "host_version" in body
+

@@ -139,13 +139,15 @@ def test_recent_prompts_find_the_ends_an_entry_contains():
 
     seen = RecentPrompts(size=16)
     entry = list(range(1000))
-    seen.add([])  # nothing to learn from an empty prompt
+    seen.add("m", [])  # nothing to learn from an empty prompt
     for end in range(50, 650, 50):  # 12 turns of one conversation
-        seen.add(entry[:end])
-    seen.add(entry[:300] + [7])        # another branch: not a prefix of the entry
-    seen.add([5] + entry[1:400])       # same length and last token, other tokens
-    seen.add(entry)                    # the whole entry: not *inside* it
-    assert seen.prompt_len(entry) == 600
-    assert seen.boundaries(entry) == tuple(range(650 - 50 * MAX_PROMPT_BOUNDARIES, 650, 50))
-    assert seen.boundaries(entry[:120]) == (50, 100)
-    assert seen.prompt_len([9, 9]) is None and seen.boundaries([]) == ()
+        seen.add("m", entry[:end])
+    seen.add("m", entry[:300] + [7])        # another branch: not a prefix of the entry
+    seen.add("m", [5] + entry[1:400])       # same length and last token, other tokens
+    seen.add("m", entry)                    # the whole entry: not *inside* it
+    assert seen.prompt_len("m", entry) == 600
+    assert seen.boundaries("m", entry) == tuple(range(650 - 50 * MAX_PROMPT_BOUNDARIES, 650, 50))
+    assert seen.boundaries("m", entry[:120]) == (50, 100)
+    assert seen.prompt_len("m", [9, 9]) is None and seen.boundaries("m", []) == ()
+    # another model key (another checkpoint, or a request's cache_salt) learns nothing here
+    assert seen.prompt_len("m|salt=b", entry) is None and seen.boundaries("m|salt=b", entry) == ()

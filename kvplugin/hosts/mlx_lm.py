@@ -45,6 +45,10 @@ Seams (identical in mlx-lm 0.31.3 and 0.32.x unless noted):
     Wrapped: ``GET /kvplugin/stats`` answers the service's counters and the stored
     entries as JSON, ``GET /metrics`` kvplugin's Prometheus series (mlx-lm has no
     ``/metrics`` of its own); every other path goes to the host.
+``APIHandler.handle_completion``, ``ResponseGenerator._tokenize`` / ``_serve_single``,
+``BatchGenerator.insert_segments`` / ``extract_cache`` / ``next``
+    Wrapped (:mod:`kvplugin.hosts.mlx_lm_salt`): a request's ``cache_salt`` reaches the
+    prompt cache's calls, which key by it (400 for a bad one).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ from kvplugin.hosts.base import (
     require,
     wraps_original,
 )
+from kvplugin.hosts.mlx_lm_salt import UNKNOWN, fetch_salt, insert_salt
 from kvplugin.hostspecs import MLX_LM
 from kvplugin.log import say
 
@@ -127,9 +132,18 @@ class KVPluginPromptCache:
     def nbytes(self) -> int:
         return self.service.store.nbytes
 
+    def _key(self, model: Any, salt: Any) -> str:
+        """The store key of a request with ``salt`` (its ``cache_salt``) on ``model``."""
+        return self.service.salted_key(self.service.model_key(model_fingerprint(model)), salt)
+
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+        salt = fetch_salt()
+        if salt is UNKNOWN:  # never served from a namespace that may not be the request's
+            say("a prompt-cache fetch could not be matched to its request; served without a "
+                "cached prefix", key="mlx-lm:fetch-unknown-salt")
+            return None, tokens
         try:
-            cache, n = self.service.fetch(self.service.model_key(model_fingerprint(model)), tokens,
+            cache, n = self.service.fetch(self._key(model, salt), tokens,
                                           model=ADAPTER.loaded_model(model))
         except Exception as exc:  # a request must never fail because of the store
             say(f"prompt cache fetch failed ({type(exc).__name__}: {exc}); serving "
@@ -147,9 +161,13 @@ class KVPluginPromptCache:
         *,
         cache_type: str = "assistant",
     ) -> None:
+        salt = insert_salt(prompt_cache)
+        if salt is UNKNOWN:  # never stored where another request's salt could find it
+            say("a finished cache could not be matched to its request; not stored",
+                key="mlx-lm:insert-unknown-salt")
+            return
         try:
-            self.service.give_back(self.service.model_key(model_fingerprint(model)), list(tokens),
-                                   prompt_cache)
+            self.service.give_back(self._key(model, salt), list(tokens), prompt_cache)
         except Exception as exc:
             say(f"prompt cache insert failed ({type(exc).__name__}: {exc}); entry "
                 "dropped", key="mlx-lm:insert-failed")
@@ -229,6 +247,9 @@ class MlxLmAdapter(HostAdapter):
         from kvplugin.hosts.mlx_lm_admission import install_admission
 
         install_admission(self, server, patches)
+        from kvplugin.hosts.mlx_lm_salt import install_salt
+
+        install_salt(self, server, gen_mod, patches)
 
     def _check_seams(self, server: Any, cache_mod: Any, gen_mod: Any) -> None:
         """Fail closed: every seam present, with the signature this adapter was written for."""
@@ -238,6 +259,9 @@ class MlxLmAdapter(HostAdapter):
         from kvplugin.hosts.mlx_lm_admission import check_admission_seams
 
         check_admission_seams(server)
+        from kvplugin.hosts.mlx_lm_salt import check_salt_seams
+
+        check_salt_seams(server, gen_mod)
         mpc = cache_mod.make_prompt_cache
         require(server.make_prompt_cache is mpc,
                  "mlx_lm.server.make_prompt_cache is not mlx_lm.models.cache's")

@@ -132,6 +132,22 @@ class KVService:
         """The store's model key for a checkpoint ``fingerprint`` served by this process."""
         return store_key(self.host, fingerprint, self.settings)
 
+    def request_salt(self, body: Any) -> str | None:
+        """The ``cache_salt`` of a request's JSON body (None: none); raises
+        :class:`~kvplugin.cache.service.salt.SaltRefused` (the host answers 400) for a bad one, or for
+        none under ``--kv-cache-require-salt``."""
+        from kvplugin.cache.service.salt import salt_of
+
+        return salt_of(body, required=self.settings.kv_cache_require_salt)
+
+    @staticmethod
+    def salted_key(model_key: str, salt: str | None) -> str:
+        """The model key a request with ``salt`` is served under: every tier keys by it, so
+        requests of two salts never share a prefix (:mod:`kvplugin.cache.service.salt`)."""
+        from kvplugin.cache.service.salt import salted_key
+
+        return salted_key(model_key, salt)
+
     # -- cache construction -------------------------------------------------------------
     def make_cache(self, model: Any, cache: list) -> list:
         """The host just built a fresh per-request cache: bound / re-step it."""
@@ -175,10 +191,11 @@ class KVService:
     # -- storing ----------------------------------------------------------------------------
     def prepare_entry(self, cache: list, num_tokens: int,
                       tokens: Sequence[int] | None = None, *,
-                      stored_prefix: list | None = None) -> list:
+                      stored_prefix: list | None = None, model_key: str | None = None) -> list:
         """Trim and (per settings) quantize an entry before it is stored; ``tokens`` (what it
-        holds) tell the codec where earlier prompts ended (:mod:`kvplugin.cache.store.prompts`),
-        ``stored_prefix`` (:meth:`PromptStore.stored_prefix`) which rows it quantized already."""
+        holds) and ``model_key`` (what it is stored under) tell the codec where earlier
+        prompts ended (:mod:`kvplugin.cache.store.prompts`), ``stored_prefix``
+        (:meth:`PromptStore.stored_prefix`) which rows it quantized already."""
         before = entry_nbytes(cache)
         trimmed = self.hook.kvplugin_trim_entry(cache=cache)
         entry = cache if trimmed is None else trimmed
@@ -187,7 +204,7 @@ class KVService:
         if self.settings.kv_cache_quantization:
             quantized = self.hook.kvplugin_quantize_entry(
                 cache=entry, num_tokens=num_tokens, settings=self.settings,
-                prompt_boundaries=self._recent_prompts.boundaries(tokens or ()),
+                prompt_boundaries=self._recent_prompts.boundaries(model_key, tokens or ()),
                 stored_prefix=stored_prefix,
             )
         if quantized is not None:
@@ -229,7 +246,8 @@ class KVService:
     def _prepare_owned(self, model_key: str, tokens: Sequence[int], cache: list) -> list:
         donor = self.stored_prefix(model_key, tokens)
         self.store.settle_lent(model_key, tokens, cache)  # so its layers go as they are cut
-        return self.prepare_entry(cache, len(tokens), tokens, stored_prefix=donor)
+        return self.prepare_entry(cache, len(tokens), tokens, stored_prefix=donor,
+                                  model_key=model_key)
 
     def prepare_finished(self, model_key: str, tokens: Sequence[int], cache: list, *,
                          min_tokens: int = 1) -> tuple[list[int], list] | None:
@@ -251,7 +269,7 @@ class KVService:
         conversation's previous turn is never superseded and the store holds it once per turn.
         """
         if prompt_len is None:
-            prompt_len = self._recent_prompts.prompt_len(tokens)
+            prompt_len = self._recent_prompts.prompt_len(model_key, tokens)
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
         if stored:
             self._event("store", len(tokens), entry)
@@ -346,7 +364,7 @@ class KVService:
         forward pass frees each layer's old buffer as it grows, so room given here was a
         whole extra entry at the peak for nothing.
         """
-        self._recent_prompts.add(tokens)
+        self._recent_prompts.add(model_key, tokens)
         check = None if model is None else (lambda entry: self._fits(model, entry))
         from kvplugin.cache.quantize import UnknownCodec
 
@@ -588,9 +606,10 @@ class KVService:
         bound = f"{s.max_kv_size} tokens" if s.max_kv_size is not None else "unbounded"
         step = f", kv-cache-step {s.kv_cache_step}" if s.kv_cache_step is not None else ""
         where = f" ({mode})" if mode else ""
+        salt = "; every request needs a cache_salt" if s.kv_cache_require_salt else ""
         return (f"active on {self.host} {host_version}{where} (prompt cache: {budget}, "
                 f"{entries}; quantization: {quant}; max-kv-size: {bound}{step}; cold tier: "
-                f"{cold}; stats: GET {stats_path})")
+                f"{cold}{salt}; stats: GET {stats_path})")
 
 
 def describe_entry(model_key: Any, tokens: Sequence[int], cache: list, nbytes: int) -> dict:

@@ -14,8 +14,10 @@ What the tier promises, because Redis is never on the critical path of correctne
   pool while the request thread waits with that deadline. A lookup is two round trips whatever
   the prompt's length (see :mod:`kvplugin.cache.tiers.remote_keys`).
 * **Down, slow or full is a miss**, with one warning, counters, and reconnection with
-  back-off (0.5 s doubling to 30 s, no attempt in between). A wrong password or database is a
-  start-up error naming the flag, since serving without the tier would ignore what was asked.
+  back-off (0.5 s doubling to 30 s, no attempt in between). A wrong password or database, a
+  TLS certificate that does not verify or an option the client does not take is a start-up
+  error naming the flag, since serving without the tier would ignore what was asked. The
+  password is never shown (:func:`kvplugin.settings.masked_url`).
 * **Nothing read is trusted**: digest, size bound, namespace and tokens are checked
   (:mod:`kvplugin.cache.tiers.remote_wire`), and the store validates the entry against the
   model before the host sees it; a value the model refuses is deleted (``discard``).
@@ -85,12 +87,18 @@ class RemoteTier:
         self.block = block_tokens
         self.max_value_bytes = max_value_bytes
         self.queue_bytes = queue_bytes
-        self._lookup = _client(url, self.timeout_s, self.timeout_s)
         # Values: a large entry takes a while as a whole (the fetch deadline bounds that),
         # but a Redis that stops sending is given up after a short silence.
         self.stall_s = min(self.fetch_timeout_s, max(4 * self.timeout_s, 0.25))
-        self._values = _client(url, self.stall_s, self.timeout_s)
-        self._writes = _client(url, self.fetch_timeout_s, self.timeout_s)  # nobody waits
+        try:
+            self._lookup = _client(url, self.timeout_s, self.timeout_s)
+            self._values = _client(url, self.stall_s, self.timeout_s)
+            self._writes = _client(url, self.fetch_timeout_s, self.timeout_s)  # nobody waits
+        except (TypeError, ValueError) as e:  # an option value the client cannot parse
+            from kvplugin.settings import SettingsError
+
+            raise SettingsError(f"kvplugin: {FLAG}: the redis client refused the URL "
+                                f"{self.url} ({e})") from None
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._refusals = Refusals(f"remote tier {self.url}")
@@ -114,7 +122,10 @@ class RemoteTier:
     # ---------------------------------------------------------------- health
 
     def _check_start(self) -> None:
-        """PING once: credentials and database are start-up errors; unreachable is not."""
+        """PING once: credentials, database, a TLS certificate that does not verify and
+        options the client does not take are start-up errors; unreachable is not."""
+        import ssl
+
         import redis
 
         try:
@@ -124,8 +135,15 @@ class RemoteTier:
             self._refuse(f"Redis at {self.url} refused the credentials ({e})")
         except redis.ResponseError as e:  # e.g. "DB index is out of range", NOAUTH
             self._refuse(f"Redis at {self.url} refused the connection ({e})")
-        except redis.RedisError as e:
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            if isinstance(e.__context__, ssl.SSLCertVerificationError):
+                self._refuse(f"the TLS certificate of Redis at {self.url} was not verified "
+                             f"({e.__context__.verify_message}); name the CA that signed it "
+                             "with ?ssl_ca_certs=/path/ca.pem in the URL")
             self._failed(e)
+        except (redis.RedisError, TypeError, ValueError) as e:  # an option the client refuses
+            self._refuse(f"the redis client refused the URL {self.url} "
+                         f"({type(e).__name__}: {e})")
 
     def _refuse(self, why: str) -> None:
         from kvplugin.settings import SettingsError

@@ -10,6 +10,7 @@ One job per module:
 * :mod:`.batching` - ``--continuous-batching``: the scheduler's prefix cache and the
   host's persistence;
 * :mod:`.metrics` - kvplugin's counters on ``/metrics`` and ``GET /kvplugin/stats``;
+* :mod:`.salt` - a request's ``cache_salt``, from its body to the prompt cache's calls;
 
 Importing this package imports neither vllm-mlx nor mlx. The bootstrap calls
 :func:`on_import` with ``vllm_mlx.cli``; ``kvplugin.hosts.vllm_mlx:ADAPTER`` is the adapter

@@ -12,8 +12,9 @@ Stage 1, on ``import vllm_mlx.cli`` (cheap: nothing heavy is imported):
   and a message naming the flag and the variable, before anything is loaded. Then stage 2.
 
 Stage 2, inside ``serve_command`` (the host imports ``vllm_mlx.server`` there anyway): every
-seam of every mode is checked, the session is built, then :mod:`.simple`, :mod:`.batching`
-and :mod:`.metrics` patch their seams, all through one :class:`PatchRegistry` (all or none).
+seam of every mode is checked, the session is built, then :mod:`.simple`, :mod:`.batching`,
+:mod:`.metrics` and :mod:`.salt` patch their seams, all through one :class:`PatchRegistry`
+(all or none).
 The model check (group size vs head dimension) runs from the model's ``config.json`` as soon
 as the model path is known, else from the loaded model.
 
@@ -38,7 +39,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from kvplugin.hosts.base import HostAdapter, PatchRegistry, fail_start, require_attrs
-from kvplugin.hosts.vllm_mlx import admission, batching, metrics, simple
+from kvplugin.hosts.vllm_mlx import admission, batching, metrics, salt, simple
 from kvplugin.hosts.vllm_mlx.runtime import Runtime
 from kvplugin.hosts.base import config_of
 from kvplugin.hosts.vllm_mlx.startup import announce
@@ -272,6 +273,7 @@ class VllmMlxAdapter(HostAdapter):
         gen_mod = sys.modules.get("mlx_lm.generate") or importlib.import_module("mlx_lm.generate")
         from mlx_lm.models import cache as mlc
         from vllm_mlx import memory_cache, scheduler, server
+        from vllm_mlx import request as request_mod
         from vllm_mlx import metrics as host_metrics
         from vllm_mlx.engine import batched
         from vllm_mlx.engine import simple as host_simple
@@ -281,6 +283,7 @@ class VllmMlxAdapter(HostAdapter):
         batching.check_seams(scheduler, memory_cache, batched, mlc)
         admission.check_seams(scheduler)
         metrics.check_seams(host_metrics, server)
+        salt.check_seams(server, host_simple, request_mod, scheduler)
         require_attrs(server, "load_model")
 
         self.runtime.service = self._make_service(settings, args, memory_cache)
@@ -295,6 +298,7 @@ class VllmMlxAdapter(HostAdapter):
         # the model check from the resolved model path (0.6.0 passes it)
         patches.replace(server, "load_model", self.wrap_load_model(server.load_model))
         metrics.install(patches, self, host_metrics, server)
+        salt.install(patches, self, server, host_simple, request_mod, scheduler)
 
     def _make_service(self, settings: Any, args: argparse.Namespace, memory_cache: Any) -> Any:
         """The session, on the host's own budget (``--cache-memory-mb`` / ``-percent``)."""

@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 from kvplugin.hosts.base import PatchRegistry, require_attrs
+from kvplugin.hosts.vllm_mlx.salt import UNKNOWN, owner_salt, request_salt
 from kvplugin.log import say
 
 _MB = 1024 * 1024
@@ -171,6 +172,7 @@ class KVPrefixCache:
         self._ssd_tier = None
         self._model_id = id(model)
         self._model = model  # the scheduler's own: fetched entries are checked against it
+        self._scheduler: Any = None  # weakref to the scheduler (salt.owner_salt reads it)
         self._memory_lock = threading.RLock()
         self._rejections = 0
         if rt.settings is not None and rt.settings.kv_cache_quantization:
@@ -205,7 +207,8 @@ class KVPrefixCache:
             self._last_match_type = "miss"
             return None, tokens
         try:
-            cache, n = self._service.fetch(self._key, tokens, model=self._model)
+            key = self._service.salted_key(self._key, request_salt())
+            cache, n = self._service.fetch(key, tokens, model=self._model)
         except Exception as exc:
             say(f"prefix-cache fetch failed ({type(exc).__name__}: {exc})", key="fetch-failed")
             cache, n = None, 0
@@ -225,12 +228,22 @@ class KVPrefixCache:
         if auxiliary or not tokens or not cache:
             return None
         try:
-            prepared = self._service.prepare_finished(self._key, tokens, list(cache),
+            scheduler = self._scheduler() if self._scheduler is not None else None
+            salt = owner_salt(scheduler, tokens, cache)
+            if salt is UNKNOWN:  # never stored where another request's salt could find it
+                self._rejections += 1
+                say("a prefix-cache entry could not be matched to one request's cache_salt "
+                    "(requests of two salts hold the same tokens); not stored",
+                    key="vllm-mlx:store-unknown-salt")
+                return None
+            model_key = self._service.salted_key(self._key, salt)
+            prepared = self._service.prepare_finished(model_key, tokens, list(cache),
                                                       min_tokens=self._min_tokens)
             if prepared is None:
                 return None
             key, entry = prepared
-            return (tuple(key), detach_shared_layers(entry, cache, self._host_memory_cache))
+            return (tuple(key), detach_shared_layers(entry, cache, self._host_memory_cache),
+                    model_key)
         except Exception as exc:
             self._rejections += 1
             say(f"prefix-cache store failed ({type(exc).__name__}: {exc})", key="store-failed")
@@ -242,8 +255,8 @@ class KVPrefixCache:
             return False
         if commit_guard is not None and not commit_guard():
             return False
-        key, cache = entry
-        ok = self._service.store_prepared(self._key, key, cache)
+        tokens, cache, key = entry
+        ok = self._service.store_prepared(key, tokens, cache)
         if not ok:
             self._rejections += 1
         return ok

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvplugin.hosts.base import PatchRegistry, require_attrs
 from kvplugin.hosts.vllm_mlx.admission import admit_or_raise
+from kvplugin.hosts.vllm_mlx.salt import request_salt
 from kvplugin.log import say
 
 #: A caller-made cache, embeddings, live quantization or speculative decoding: stock path.
@@ -192,6 +193,7 @@ def cached_generation(original: Callable, service: Any, key: str, model: Any, to
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     tokens = tokens_of(tokenizer, prompt)
+    key = service.salted_key(key, request_salt())  # the request's cache_salt, if any
     ticket = object()  # this generation's reservation under --max-memory
     admit_or_raise(service, id(ticket), model, prompt_tokens=len(tokens), max_tokens=max_tokens,
                    prefill_chunk=int(kwargs.get("prefill_step_size") or 2048))
