@@ -207,7 +207,7 @@ def test_bench_server_quick(kvplugin_cmd, kvhome, tmp_path, demo_run):
     r = run_command([*kvplugin_cmd, "bench", "--server", "--quick", "--no-progress", "--out",
                      str(out)], env=_env(kvhome), timeout=600, home=tmp_path / "home")
     assert r.returncode == 0, (r.stdout, r.stderr)
-    assert "Goals (server level)" in r.stdout  # was "Goals (issue 6, server level)"
+    assert "Goals (server level)" in r.stdout
     data = json.loads((out / "server.json").read_text())
     assert data["benchmark"] == "server" and data["config"]["quick"] is True
     for key in ("config", "environment", "stock", "kvplugin", "ratios", "goals", "elapsed_s",

@@ -97,7 +97,7 @@ def test_entries_stored_quantized(request, bits, seed):
     stats = srv.get("/kvplugin/stats")
     # the default codec (auto): affine at 8 bits, at 4 rotated-channel with 4 sink and 16
     # recent tokens at full precision, at 3 the same with scale-only values and 6 recent
-    # tokens (issue 15, docs/benchmarks.md)
+    # tokens (docs/benchmarks.md, "Codecs on a real model")
     codec, sink, recent = {8: ("affine", 0, 0), 4: ("rotated-channel", 4, 16),
                            3: ("rotated-channel-sym", 4, 6)}[bits]
     assert stats["quantization"] == {"bits": bits, "group_size": 64, "min_tokens": MIN_TOKENS,
@@ -184,9 +184,8 @@ def _settled(srv, at_least: int, quiet: float = 0.5) -> dict:
 def test_codec_temporaries_go_back_to_the_system(q4):
     """Quantizing an entry at insert and dequantizing it at a hit leave the codec's
     temporaries (unpacked codes, fp32 copies of a layer) in MLX's buffer cache, where the next
-    prefill's buffers stacked on them: kvplugin hands the cache back after each codec pass.
-    Measured before: 4.1 MB held here once a 4-bit entry was stored, 4.6 MB after a hit; the
-    process peak 2.4x the entry above stock's on a 2-layer MLA model (docs/benchmarks.md)."""
+    prefill's buffers stacked on them: kvplugin hands the cache back after each codec pass
+    (docs/benchmarks.md, "Design decisions")."""
     before = q4.get("/kvplugin/stats")
     messages = [{"role": "user", "content": LONG + " (codec temporaries)"}]
     reply = q4.chat(messages, max_tokens=8)

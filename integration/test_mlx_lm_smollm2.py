@@ -86,7 +86,7 @@ def q8(start_server, smollm2_dir, server_env, stock):
 
 
 # 4-bit entries at the default codec (auto): rotated keys quantized per channel, rotated
-# values per token, 4 sink and 16 recent tokens at full precision (issue 15).
+# values per token, 4 sink and 16 recent tokens at full precision.
 Q4_DEFAULT = ("--kv-cache-quantization-bits", "4")
 
 

@@ -1,5 +1,5 @@
 """Full-precision rows before earlier prompt boundaries: a repeated or edited turn reuses a
-*prefix* of a later entry, whose last tokens are then these (issue 15's prefix-served answer).
+*prefix* of a later entry, whose last tokens are then these (the prefix-served answer).
 
 Through the real code paths: ``quantize_entry``/``dequantize_entry``, a prefix copy, the
 serialized (SSD and remote) form, and a ``KVService`` that learns the boundaries from its own
