@@ -100,7 +100,7 @@ def test_the_entry_is_what_the_models_own_cache_holds(family, tmp_path):
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvplugin.cache.layers import entry_nbytes
-    from kvplugin.cache.trim import trim_entry
+    from kvplugin.cache.layers.trim import trim_entry
 
     model_dir = build_family_model(family, tmp_path / family)
     model, _ = load(str(model_dir))

@@ -268,7 +268,7 @@ def test_prompt_cache_report_lists_entries(service):
 
 def test_quantized_entry_is_described_with_bits():
     from kvplugin.cache.quantize import quantize_entry
-    from kvplugin.cache.service.service import describe_entry
+    from kvplugin.cache.service.report import describe_entry
 
     q = quantize_entry(_entry(64), bits=8, group_size=64).cache
     e = describe_entry("m", list(range(64)), q, sum(c.nbytes for c in q))
@@ -294,7 +294,7 @@ def test_prompt_cache_survives_store_errors(service, monkeypatch):
 
 
 def test_key_for_cache_aligns_key_and_cache():
-    key_for_cache = KVService.key_for_cache  # moved from kvplugin.cache.trim
+    key_for_cache = KVService.key_for_cache  # moved from kvplugin.cache.layers.trim
 
     tokens = list(range(20))
     assert key_for_cache(_entry(20), tokens) == tokens

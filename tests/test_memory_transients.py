@@ -16,7 +16,7 @@ from kvplugin.cache.lanes import lane_count
 from kvplugin.cache.layers import entry_nbytes
 from kvplugin.cache.quantize import dequantize_entry, quantize_entry
 from kvplugin.cache.store.prompt_store import PromptStore
-from kvplugin.cache.trim import trim_entry
+from kvplugin.cache.layers.trim import trim_entry
 
 LAYERS, HEADS, DIM = 8, 2, 64
 

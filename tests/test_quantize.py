@@ -30,7 +30,7 @@ from kvplugin.cache.quantize import (
     validate_group_size_for_model,
 )
 from kvplugin.cache.layers import entry_nbytes
-from kvplugin.cache.trim import trim_entry
+from kvplugin.cache.layers.trim import trim_entry
 
 H, D = 4, 128
 

@@ -11,7 +11,7 @@ from kvplugin.cache.layers import entry_nbytes, layer_bits
 from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.quantize import dequantize_entry, quantize_entry
 from kvplugin.cache.service.service import KVService
-from kvplugin.cache.trim import trim_entry
+from kvplugin.cache.layers.trim import trim_entry
 from kvplugin.plugins import create_plugin_manager
 from kvplugin.settings import resolve_settings
 

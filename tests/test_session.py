@@ -272,7 +272,7 @@ def test_hot_cache_only_never_asks_the_backend(pm, rec, tmp_path):
     assert "store_backend" not in rec.names()
     assert s.store.cold is None
     s.insert("m", list(range(10)), filled(10))
-    assert s.persist(tmp_path / "p") is False and s.restore(tmp_path) == 0
+    assert s.persist(tmp_path / "p") is False and s.reload(tmp_path) == 0
     assert "store_backend" not in rec.names() and not any(tmp_path.iterdir())
 
 
@@ -285,7 +285,7 @@ def test_persistence_goes_through_the_backend_hook(pm, rec, tmp_path):
     assert ("store_backend", directory) in rec.calls  # the default storage plugin answered
     s.close()
     again = session(pm)
-    assert again.restore(directory) == 1
+    assert again.reload(directory) == 1
     cache, n = again.fetch("m", list(range(30)) + [5])
     assert n == 30 and cache[0].offset == 30
 
@@ -294,7 +294,7 @@ def test_persistence_tier_refuses_puts_while_serving(pm, tmp_path):
     directory = tmp_path / "persist"
     directory.mkdir()
     s = KVService(resolve_settings(), host="test", hook=pm.hook, max_entries=1)
-    assert s.restore(directory) == 0  # attached, empty
+    assert s.reload(directory) == 0  # attached, empty
     s.insert("m", list(range(10)), filled(10))
     s.insert("m", list(range(100, 110)), filled(10))  # evicts the first: discarded
     assert s.stats()["store_discarded"] == 1 and s.stats()["store_spills"] == 0

@@ -18,14 +18,14 @@ from mlx_lm.models.cache import (
 )
 
 from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
-from kvplugin.cache.layers import (  # moved from kvplugin.cache.trim
+from kvplugin.cache.layers import (  # moved from kvplugin.cache.layers.trim
     entry_arrays,
     entry_nbytes,
     entry_tokens,
     is_exact,
     trim_layer,
 )
-from kvplugin.cache.trim import trim_entry
+from kvplugin.cache.layers.trim import trim_entry
 
 H, D = 2, 32
 DT = mx.float16

@@ -11,6 +11,6 @@ from kvplugin.hookspecs import hookimpl
 
 @hookimpl(trylast=True)
 def kvplugin_trim_entry(cache: list) -> list | None:
-    from kvplugin.cache.trim import trim_entry
+    from kvplugin.cache.layers.trim import trim_entry
 
     return trim_entry(cache, consume=True)  # a stored entry is the store's to change

@@ -8,7 +8,7 @@ and applies the answer in the host's own terms. What is decided here, once for e
   ``kvplugin_unconfigure`` fires at :meth:`KVService.close`, after the store is flushed and
   closed;
 * the cold tier: asked of ``kvplugin_store_backend``, never under ``hot_cache_only``;
-* persistence across restarts (:meth:`~KVService.persist`, :meth:`~KVService.restore`),
+* persistence across restarts (:meth:`~KVService.persist`, :meth:`~KVService.reload`),
   through the same backend hook, on the host's directory;
 * what an entry is keyed by, trimmed and quantized to (:meth:`~KVService.give_back`);
 * batch growth steps (:meth:`~KVService.batch_steps`);
@@ -22,33 +22,26 @@ The hook relay (``pm.hook``) is passed in: the engine never imports the plugin m
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from kvplugin.cache.layers import dense_nbytes, entry_nbytes, entry_tokens, layer_bits
+from kvplugin.cache.layers import entry_nbytes, entry_tokens, layer_bits
 from kvplugin.cache.bounded.prealloc import rewind_decode
 from kvplugin.cache.memory.admission import AdmissionControl
 from kvplugin.cache.store.prompts import RecentPrompts
-from kvplugin.cache.memory.release import mlx_memory
 from kvplugin.cache.store.prompt_store import PromptStore
-from kvplugin.cache.tiers import remote_stats
-from kvplugin.cache.tiers.shutdown import ShutdownOnlyTier
+from kvplugin.cache.service.persist import Persistence
+from kvplugin.cache.service.report import Reporting
 from kvplugin.cache.model.fit import ModelChecker
-from kvplugin.codecs import codec_plan
-from kvplugin.settings import KVPluginSettings, masked_url
+from kvplugin.settings import KVPluginSettings
 
-__all__ = ["Counters", "KVService", "describe_entry", "persist_dir", "store_key"]
+__all__ = ["Counters", "KVService", "store_key"]
 
 log = logging.getLogger("kvplugin")
 
 _UNLIMITED = 1 << 62
-#: the cold tier's counters reported flat as ``cold_<name>`` (the SSD tier keeps them all)
-COLD_FIELDS = ("corrupt", "unreadable", "refused", "puts", "evictions", "write_failures",
-               "leftovers_removed", "symlinks", "disk_bytes")
 
 
 @dataclass
@@ -94,7 +87,7 @@ def _configure_once(hook: Any, settings: KVPluginSettings, host: str) -> bool:
     return True
 
 
-class KVService:
+class KVService(Persistence, Reporting):
     """Settings + hooks + store for one host process; every policy decision lives here."""
 
     def __init__(
@@ -350,7 +343,7 @@ class KVService:
     # -- fetching -----------------------------------------------------------------------------
     def fetch(self, model_key: str, tokens: Sequence[int], *,
               model: Any = None) -> tuple[list | None, int]:
-        """The best stored entry for ``tokens``, restored to full precision, owned by the caller.
+        """The best stored entry for ``tokens``, dequantized, owned by the caller.
 
         With ``model`` (the model the host will run it with), an entry from the cold tier is
         first checked against the model's own cache (:mod:`kvplugin.cache.model.fit`): one that
@@ -370,15 +363,16 @@ class KVService:
 
         dequantized = False
 
-        def restore(cache: list) -> list:  # the store lends a moved entry once restored
+        def dequantize(cache: list) -> list:  # the store lends a moved entry once dequantized
             nonlocal dequantized
             quantized = sum(layer_bits(layer) is not None for layer in cache)
-            restored = self.restore_precision(cache)  # may change `cache` (a copy) in place
+            restored = self.dequantize(cache)  # may change `cache` (a copy) in place
             dequantized = sum(layer_bits(layer) is not None for layer in restored) < quantized
             return restored
 
         try:
-            restored, n = self.store.fetch(model_key, list(tokens), check=check, restore=restore)
+            restored, n = self.store.fetch(model_key, list(tokens), check=check,
+                                           dequantize=dequantize)
         except UnknownCodec as e:  # written by another kvplugin version: a miss, never misread
             log.warning("kvplugin: stored entry not used (%s); treated as a miss", e)
             self._event("miss", len(tokens))
@@ -414,7 +408,7 @@ class KVService:
     #: ``--kv-bits``), set by the host adapter; None: the host runs full-precision caches.
     live_quantization: tuple[int, int, int] | None = None
 
-    def restore_precision(self, cache: list) -> list:
+    def dequantize(self, cache: list) -> list:
         """The entry as the host runs it: dequantized, except layers already quantized the
         way the host's own live cache is (``live_quantization``), which are handed back as
         they are."""
@@ -434,64 +428,7 @@ class KVService:
         it = iter(restored)
         return [keep[i] if i in keep else next(it) for i in range(len(cache))]
 
-    # -- persistence and shut-down ------------------------------------------------------------
-    def may_persist(self) -> bool:
-        """Whether anything of the prompt cache may reach a disk (not under hot_cache_only)."""
-        return not self.settings.hot_cache_only
-
-    def _tier_at(self, directory: Path) -> Any:
-        """The backend hook's cold tier on a host's persistence directory."""
-        settings = self.settings.model_copy(update={"ssd_cache_dir": Path(directory)})
-        return self.hook.kvplugin_store_backend(settings=settings)
-
-    def restore(self, directory: str | os.PathLike) -> int:
-        """A host's start-up load: the previous run's entries become a (read-only until
-        :meth:`persist`) cold tier, read lazily on the first hit. Returns how many."""
-        if not self.may_persist():
-            return 0
-        with self._lock:
-            if self.store.cold is None:
-                if not Path(directory).is_dir():
-                    return 0
-                tier = self._tier_at(Path(directory))
-                if tier is None:
-                    return 0
-                self.store.attach_cold(ShutdownOnlyTier(tier))
-            cold = self.store.cold
-        try:
-            return len(cold)
-        except TypeError:
-            return 0
-
-    def persist(self, directory: str | os.PathLike) -> bool:
-        """A host's shut-down save: spill every hot entry to the cold tier (the configured
-        one, else one on ``directory``). True if an entry was written."""
-        if not self.may_persist():
-            return False
-        with self._lock:
-            if self.store.cold is None:
-                if len(self.store) == 0:
-                    return False
-                tier = self._tier_at(Path(directory))
-                if tier is None:
-                    return False
-                self.store.attach_cold(ShutdownOnlyTier(tier))
-            cold = self.store.cold
-            if isinstance(cold, ShutdownOnlyTier):
-                cold.accept_puts = True
-        try:
-            return self.store.flush()
-        finally:
-            if isinstance(cold, ShutdownOnlyTier):
-                cold.accept_puts = False
-
-    def flush_configured(self) -> bool:
-        """Spill the hot entries to a configured cold tier (``--ssd-cache-dir``) at an engine
-        stop, so they survive a restart. Not to a persistence tier (that is :meth:`persist`)."""
-        if isinstance(self.store.cold, ShutdownOnlyTier):
-            return False
-        return self.store.flush()
-
+    # -- shut-down ----------------------------------------------------------------------------
     def close(self) -> None:
         """Shut-down: close the store (and its cold tier), then ``kvplugin_unconfigure``."""
         with self._lock:
@@ -514,123 +451,9 @@ class KVService:
             self.counters.bytes_released += released
         return released
 
-    # -- reporting ----------------------------------------------------------------------------
     def _on_evict(self, entry: Any) -> None:
         self._event("evict", len(entry.tokens), entry.cache)
         self.hook.kvplugin_on_evict(entry=entry, settings=self.settings)
-
-    def stats(self, store_stats: Any = None) -> dict[str, Any]:
-        """All counters as one flat JSON-able dict (the store's and kvplugin's)."""
-        with self._lock:
-            out: dict[str, Any] = asdict(self.counters)
-            out["bytes_saved"] = self.counters.bytes_saved
-            out["rejected_by_kind"] = dict(self._rejected_by_kind)
-            out["bytes_stored_by_codec"] = dict(self._bytes_by_codec)
-        store = asdict(store_stats if store_stats is not None else self.store.stats())
-        out.update({f"store_{k}": v for k, v in store.items()})
-        s = self.settings
-        plan = codec_plan(s)
-        out["quantization"] = (
-            {"bits": s.kv_cache_quantization_bits,
-             "group_size": s.kv_cache_quantization_group_size,
-             "min_tokens": s.kv_cache_min_quantize_tokens,
-             "codec": plan.codec, "codec_setting": s.kv_cache_codec,
-             "key_bits": plan.key_bits, "value_bits": plan.value_bits,
-             "sink_tokens": plan.sink_tokens, "recent_tokens": plan.recent_tokens}
-            if s.kv_cache_quantization else None
-        )
-        tier = self._cold_tier_stats()
-        out["cold_tier"] = tier  # the cold tier's own counters; None: no cold tier
-        for name in COLD_FIELDS:  # flat, for /metrics; None: no cold tier (or not kept)
-            value = tier.get(name) if tier else None
-            out[f"cold_{name}"] = value if isinstance(value, int) else None
-        out.update(remote_stats(tier))
-        out.update(mlx_memory())
-        out.update(self.admission.stats())
-        out["host"] = self.host
-        out["hot_cache_only"] = s.hot_cache_only
-        out["max_kv_size"] = s.max_kv_size
-        return out
-
-    def _cold_tier_stats(self) -> dict[str, Any] | None:
-        cold = self.store.cold
-        cold = getattr(cold, "tier", cold)  # past the shut-down-only wrapper
-        stats = getattr(cold, "stats", None)
-        if not callable(stats):
-            return None
-        try:
-            return dict(stats())
-        except Exception:  # reporting must never fail a request
-            return None
-
-    def report(self, **host_fields: Any) -> dict[str, Any]:
-        """:meth:`stats` plus every stored entry, from one consistent snapshot, plus the
-        host's own fields (``host_version``, ``mode``): what ``GET /kvplugin/stats`` serves."""
-        store_stats, entries = self.store.snapshot()
-        out = self.stats(store_stats)
-        out["max_bytes"] = self.store.max_bytes
-        out["max_entries"] = self.store.max_entries
-        described = []
-        for e in entries:
-            try:
-                described.append(describe_entry(e.model_key, e.tokens, e.cache, e.nbytes))
-            except Exception as exc:  # reporting must never fail a request
-                described.append({"error": f"{type(exc).__name__}: {exc}"})
-        out["entries"] = described
-        out.update(host_fields)
-        return out
-
-    def active_line(self, host_version: Any, *, stats_path: str, mode: str | None = None) -> str:
-        """The one start-up line every host says: what kvplugin does in this process."""
-        s, store = self.settings, self.store
-        if s.kv_cache_quantization:
-            quant = (f"{s.kv_cache_quantization_bits}-bit entries, group "
-                     f"{s.kv_cache_quantization_group_size}, from "
-                     f"{s.kv_cache_min_quantize_tokens} tokens, codec {codec_plan(s).name}")
-        else:
-            quant = "off"
-        budget = ("unlimited" if store.max_bytes >= _UNLIMITED
-                  else f"{store.max_bytes / 2**20:.0f} MiB")
-        entries = "unlimited" if store.max_entries is None else f"{store.max_entries} entries"
-        if s.hot_cache_only:
-            cold = "none (--hot-cache-only: evictions are discarded)"
-        elif store.cold is not None and (s.ssd_cache_dir or s.remote_url) is not None:
-            tiers = [f"{s.ssd_cache_dir} (max {s.ssd_cache_max_gb:g} GB)"] if s.ssd_cache_dir else []
-            if s.remote_url:
-                tiers.append(f"remote {masked_url(s.remote_url)} (TTL {s.kv_cache_remote_ttl_s} s)")
-            cold = " + ".join(tiers)
-        elif store.cold is not None:
-            cold = type(store.cold).__name__
-        else:
-            cold = "none (evictions are discarded)"
-        bound = f"{s.max_kv_size} tokens" if s.max_kv_size is not None else "unbounded"
-        step = f", kv-cache-step {s.kv_cache_step}" if s.kv_cache_step is not None else ""
-        where = f" ({mode})" if mode else ""
-        salt = "; every request needs a cache_salt" if s.kv_cache_require_salt else ""
-        return (f"active on {self.host} {host_version}{where} (prompt cache: {budget}, "
-                f"{entries}; quantization: {quant}; max-kv-size: {bound}{step}; cold tier: "
-                f"{cold}{salt}; stats: GET {stats_path})")
-
-
-def describe_entry(model_key: Any, tokens: Sequence[int], cache: list, nbytes: int) -> dict:
-    """One stored entry as JSON-able data (``/kvplugin/stats`` of every host)."""
-    return {
-        "model": str(model_key),
-        "tokens": len(tokens),
-        "nbytes": int(nbytes),
-        "dense_nbytes": sum(dense_nbytes(layer) for layer in cache),
-        "layers": [type(layer).__name__ for layer in cache],
-        "bits": [layer_bits(layer) for layer in cache],
-        "offsets": sorted({int(getattr(layer, "offset", 0) or 0) for layer in cache}),
-        "full_precision_tokens": max(map(_protected_rows, cache), default=0),
-    }
-
-
-def _protected_rows(layer: Any) -> int:
-    """Tokens a quantized layer also keeps at full precision (sinks, recent, before prompt
-    boundaries: the 4th array of its keys), for the operator's view of what an entry costs."""
-    keys = getattr(layer, "keys", None)
-    return int(keys[3].shape[-2]) if isinstance(keys, (tuple, list)) and len(keys) == 4 else 0
 
 
 # --------------------------------------------------------------------------- host fallbacks
@@ -644,13 +467,3 @@ def store_key(host: str, fingerprint: str, settings: KVPluginSettings | None) ->
     """
     bound = (settings.max_kv_size if settings is not None else None) or 0
     return f"{host}|{fingerprint}|max_kv={bound}"
-
-
-#: kvplugin's files go under this subdirectory of a host's persistence directory.
-PERSIST_SUBDIR = "kvplugin"
-
-
-def persist_dir(host_dir: str | os.PathLike) -> Path:
-    """Where kvplugin persists under a host's prefix-cache directory: a subdirectory of its
-    own, so kvplugin's files never mix with the host's (each would misread the other's)."""
-    return Path(host_dir).expanduser() / PERSIST_SUBDIR

@@ -1,140 +1,20 @@
-"""Tiered prompt store: a RAM hot tier with move-on-fetch, and a pluggable cold tier.
+"""The tiered prompt store: a RAM hot tier with move-on-fetch, in front of a pluggable cold tier.
 
-Host-independent and tier-independent: the cold tier is any :class:`kvplugin.types.ColdTier`
-handed in (the built-in one, ``kvplugin.cache.tiers.ssd.SSDTier``, is never imported here).
-What a layer can do (trim, copy a prefix, price) is asked of :mod:`kvplugin.cache.layers`;
-the token index (trie + LRU) is :class:`kvplugin.cache.store.index.KeyIndex`.
+Why it exists: stock mlx-lm deep-copies an entry on every hit and keeps one copy per turn of a
+conversation; the store hands the entry itself to the request (a move), keeps one entry per
+conversation, and spills what it evicts to a cold tier instead of dropping it.
 
-Vocabulary
-----------
-* A **cache entry** is a list of per-layer mlx-lm cache objects (``KVCache``,
-  ``QuantizedKVCache``, ``RotatingKVCache``, ...), exactly what ``make_prompt_cache``
-  returns.  Its **key** is ``(model_key, tuple(tokens))``.  The store assumes the
-  entry holds exactly ``len(tokens)`` positions (layer ``offset == len(tokens)``), the
-  same assumption mlx-lm's ``LRUPromptCache`` makes when it trims.
-* **Trimmable** entry: every layer's ``is_trimmable()`` is true.  **Copyable** prefix:
-  trimmable *and* every layer is of a kind whose first ``n`` positions can be copied
-  (``KVCache``, ``QuantizedKVCache``, ``RotatingKVCache`` while ``offset < max_size``,
-  ``ChunkedKVCache`` if ``n >= start_position``, ``ConcatenateKVCache``, and
-  ``CacheList`` of those; subclasses too, if their extra instance attributes are
-  plain scalars).
+In short (the whole specification is ``docs/store.md``):
 
-Ownership
----------
-``insert`` hands ownership of the cache to the store; the caller must not touch it
-afterwards.  Nothing is copied at insert.  ``fetch`` hands ownership back.
-
-Hot tier
---------
-* Per ``model_key`` a radix (path-compressed) trie over token tuples: insert, remove
-  and lookup cost O(len(tokens)); nothing scans all entries or bytes.
-* One global LRU order over all model keys.  ``insert`` and a copy-hit (below) make
-  an entry most-recently used.
-* Entries are priced at insert by ``nbytes`` (default :func:`kvplugin.cache.layers.entry_nbytes` = sum of
-  the layers' ``nbytes``, i.e. the real bytes held, spare capacity included).
-  After an insert the store evicts LRU entries while ``nbytes > max_bytes`` or
-  ``len > max_entries``; the entry just inserted is never evicted by its own insert.
-* An entry with ``nbytes > max_bytes`` (or any entry when ``max_entries == 0``)
-  never enters the hot tier: it goes straight to the cold tier (``insert`` returns
-  the cold tier's verdict), or, without one, is rejected (``rejected`` counter,
-  ``insert`` returns False).  Nothing is evicted for it.
-* Inserting a key that is already stored replaces the old entry (``replaced``).
-  Inserting a *trimmable* entry removes stored entries whose tokens are a strict
-  prefix of it on the same model (``superseded``): the longer entry can serve them
-  by a prefix copy (mlx-lm ``LRUPromptCache`` does the same). It also removes an entry
-  whose whole *prompt* it continues (``prompt_len`` known, the rest of that entry was
-  generated): that is the same conversation's previous turn, whose reply came back
-  re-tokenized differently in the next prompt. No request can want that generated tail
-  that the new entry cannot serve (a text API re-tokenizes it), so keeping both would hold
-  the conversation twice.  Inserting a cache
-  whose first layer object is already stored under another key moves it to the new
-  key (one object is never held by two entries).  None of these is an eviction:
-  no ``on_evict``, no spill.
-
-Fetch (longest prefix, move semantics)
---------------------------------------
-``fetch(model_key, tokens) -> (cache | None, n)``.  ``n`` is the number of leading
-request tokens the returned cache holds; the caller processes ``tokens[n:]``.
-Always ``1 <= n <= len(tokens) - 1`` on a hit (so a request of < 2 tokens always
-misses): at least one token is left to feed the model, as mlx-lm's "longer entry"
-path does with ``prefix = min(len(tokens) - 1, common)``.  (Stock
-``fetch_nearest_cache`` returns an empty rest on an exact hit in 0.31.3/0.32.2,
-which ``stream_generate`` rejects; we trim one token instead.)
-
-1. *Prefix hit, moved.*  The longest stored key that is a prefix of the request:
-   * strictly shorter than the request: the entry is **removed** from the store and
-     its cache object (the very same list and arrays, no deepcopy) is returned,
-     ``n = len(key)``;
-   * equal to the request: only if trimmable; it is removed, trimmed by one token
-     (``layer.trim(1)``), ``n = len(tokens) - 1``.  A non-trimmable exact entry is
-     left stored and the next shorter prefix entry is considered instead.
-2. *Common-prefix hit, copied.*  If a stored key diverges from (or extends) the
-   request after ``c`` common tokens and ``min(c, len(tokens) - 1)`` beats the best
-   move candidate, that entry **stays stored** for its owner and the caller gets
-   fresh arrays holding just the first ``n = min(c, len(tokens) - 1)`` positions
-   (``mx.array(x[..., :n, :])`` + ``mx.eval``; no buffer is shared with the stored
-   entry).  Only for copyable entries, otherwise this candidate is ignored.  Among
-   several entries below the divergence point the first one found on a descent of
-   the trie is used.  Ties between a move and a copy go to the move.
-3. *Lent copy.*  If an entry moved out to a request still in flight ("lent") holds more of
-   the request than 1. and 2., the caller gets a copy of it (``lent_copies``), as stock's
-   deep copy would give it: the first ``n`` positions when the lent entry can be cut there,
-   or all of it when the request continues its whole key (recurrent state and wrapped
-   windows cannot be cut). See *Contention* below.
-4. Otherwise a miss ``(None, 0)``.
-
-The caller gives the (updated) cache back with ``insert`` after generation.  Because
-a fetch moves the entry out, a second concurrent fetch of the same prefix while the
-first caller holds it gets a miss, or whatever shorter/other entry is still stored
-(possibly a copy from another conversation's entry).  A returned buffer is never
-referenced by a stored entry or by another caller, so the first in-place decode
-write does not double memory (unlike ``copy.deepcopy``).
-
-Contention
-----------
-A move records what it hands out, once ``fetch``'s ``restore`` (dequantization) has made it
-(:mod:`kvplugin.cache.store.lent`, :func:`kvplugin.cache.layers.lend_view`): a dequantized
-entry's quantized layers as they were stored (the turn's insert copies their rows), else
-append-only layers (``KVCache``) themselves, whose prefix never changes and which cost nothing to keep;
-other layers as a snapshot (new array objects on the same buffers, no bytes copied; the
-owner's first in-place write into a shared buffer copies it, as stock's deep copy would
-have up front: a window or a recurrent state, small). The snapshot is
-copied from only when a concurrent request wants that prefix (fetch rule 3). When a later
-insert continues the snapshot's key (its owner, or a conversation it served, giving back),
-the snapshot is dropped if the new entry can serve its prefix by a copy or it was a
-finished turn (``prompt_len`` known: superseded, as above); otherwise (a shared prefix such
-as a system-prompt checkpoint whose continuation is recurrent state or a wrapped window,
-which cannot be cut back) it is stored again under its key (``lent_kept``), as stock keeps
-that entry. At most :data:`MAX_LENT` snapshots are held (the oldest is dropped).
-
-Cold tier
----------
-Every hot eviction (budget, ``max_entries``, ``trim_to``) is first reported to
-``on_evict(entry)`` (with or without a cold tier).  ``cold=None`` is oMLX's
-``hot_cache_only``: evicted entries are then dropped and counted in ``discarded``;
-nothing is written anywhere, no directory is created.  With a cold tier:
-
-* each evicted entry is then given to ``cold.put`` (``spills``; a refused or failed
-  put counts in ``discarded``).  Callbacks and cold I/O run in the calling thread
-  but **outside** the store lock, so other threads keep using the hot tier
-  meanwhile; an entry being spilled is briefly in neither tier (a miss, never an
-  error).
-* ``fetch`` asks the cold tier when its ``probe`` (optional method) promises more
-  tokens than the best hot candidate, or, for tiers without ``probe``, on a hot miss,
-  and, for a tier with an ``ask_beyond`` attribute (a remote tier, whose lookups are
-  I/O), also when the hot hit leaves at least that many tokens uncovered; such a tier's
-  ``fetch`` takes ``have=`` (the hot hit's length) and answers only with more.  A cold hit is handed to the caller (``cold_hits``; for ``SSDTier`` a
-  prefix hit consumes the file, i.e. it is promoted to the caller, who re-inserts it
-  into the hot tier after generation).  If the cold tier returns a cache covering
-  the whole request, it is trimmed by one token when trimmable; otherwise it is
-  inserted into the hot tier and the fetch continues with the hot tier.
-* Errors in the cold tier are logged and treated as misses / failed spills.
-
-Thread safety
--------------
-Every public method takes the store's single lock for all index/LRU/counter work.
-Prefix copies are made under the lock (so a concurrent move cannot change the
-source mid-copy).  Cold-tier I/O and ``on_evict`` run outside the lock (above).
+* an entry is a host cache (a list of mlx-lm layers) keyed by ``(model_key, tokens)``, priced by
+  the bytes it holds; the byte budget and entry count hold after every insert (LRU eviction);
+* ``fetch`` gives the longest stored prefix (moved out), else a copy of a shared prefix of a
+  longer entry (views: the donor stays), else a copy of an entry lent to a request still in
+  flight, else asks the cold tier; one token is always left for the host to feed;
+* ``insert`` takes ownership; a longer entry supersedes a shorter one only if it can give every
+  prefix that one could;
+* evictions go to ``on_evict`` and then to the cold tier, outside the store's lock;
+* the cold tier is any :class:`kvplugin.types.ColdTier`; this module never imports one.
 """
 
 from __future__ import annotations
@@ -142,58 +22,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from kvplugin.cache.store.index import KeyIndex, to_key
 from kvplugin.cache.layers import (can_copy_prefix, copy_floor, copy_lent, copy_prefix,
                                    entry_nbytes, entry_tokens, is_trimmable, prefix_views)
 from kvplugin.cache.store.lent import MAX_LENT, Lent
+from kvplugin.cache.store.stats import StoreStats
 from kvplugin.types import ColdTier, StoreEntry
 
 __all__ = ["ColdTier", "MAX_LENT", "PromptStore", "StoreEntry", "StoreStats"]
 
 log = logging.getLogger("kvplugin.cache")
-
-
-@dataclass
-class StoreStats:
-    """Counters of a :class:`PromptStore` (a snapshot).
-
-    entries/bytes: hot tier now.  stored: inserts that entered the hot tier.
-    hits/misses: fetches.  moved/copied/cold_hits: how hits were served (hits =
-    moved + copied + cold_hits).  tokens_reused: sum of ``n`` over hits.
-    evictions: LRU evictions from the hot tier (budget, max_entries, trim_to).
-    spills: evicted or oversized entries accepted by the cold tier.  discarded:
-    evicted entries not kept anywhere (no cold tier, or it refused).  rejected:
-    inserts kept nowhere (empty, or oversized and no cold tier took it).
-    replaced/superseded: see module docstring.  lent_copies: hits served from a copy of
-    an entry lent to a request in flight; lent_kept: snapshots stored again because
-    their continuation could not serve their prefix (see *Contention*).  bytes_by_kind: hot bytes per layer
-    class name.  cold_entries/cold_bytes: from the cold tier if it exposes
-    ``__len__``/``nbytes``; ``None`` when there is no cold tier (never a fake -1).
-    """
-
-    entries: int
-    bytes: int
-    stored: int
-    hits: int
-    misses: int
-    evictions: int
-    spills: int
-    cold_hits: int
-    discarded: int
-    moved: int = 0
-    copied: int = 0
-    tokens_reused: int = 0
-    rejected: int = 0
-    replaced: int = 0
-    superseded: int = 0
-    lent_copies: int = 0
-    lent_kept: int = 0
-    bytes_by_kind: dict = field(default_factory=dict)
-    cold_entries: int | None = None
-    cold_bytes: int | None = None
-
 
 
 class PromptStore:
@@ -362,7 +201,7 @@ class PromptStore:
                 for layer in entry.cache:
                     layer.trim(extra)
             self._c["moved"] += 1
-            self._moving[threading.get_ident()] = (entry, n)  # lent once restored (fetch)
+            self._moving[threading.get_ident()] = (entry, n)  # lent once dequantized (fetch)
             return entry.cache, n
         cache = copy_prefix(entry.cache, n, share=True)  # views: the donor stays stored
         if cache is None:
@@ -471,18 +310,18 @@ class PromptStore:
 
     def fetch(self, model_key: str, tokens: Sequence[int], *,
               check: Callable[[list], bool] | None = None,
-              restore: Callable[[list], list] | None = None) -> tuple[list | None, int]:
+              dequantize: Callable[[list], list] | None = None) -> tuple[list | None, int]:
         """Longest-prefix lookup with move semantics; ``(cache, n)`` or ``(None, 0)``.
 
         The returned cache holds ``tokens[:n]`` and is owned by the caller;
         ``1 <= n < len(tokens)``.  See the module docstring. ``check``: asked of an entry
         from the cold tier (it crossed a disk or process boundary) before it is used; False:
-        dropped, as if the tier had none. ``restore``: applied to the hit before it is
+        dropped, as if the tier had none. ``dequantize``: applied to the hit before it is
         handed out (a dequantization; what it raises reaches the caller, and a moved entry
         is then gone, as a miss).
 
-        A moved entry is lent (see *Contention*) once restored. A dequantized one lends the
-        quantized layers it was stored as (``restore`` gets a copy of the list, so they are
+        A moved entry is lent (see *Contention*) once dequantized. A dequantized one lends the
+        quantized layers it was stored as (``dequantize`` gets a copy of the list, so they are
         not consumed): they stay beside the host's copy until the turn's first insert
         continues them, 0.28x (4-bit) to 0.53x (8-bit) of the entry, and that insert's codec
         copies their rows instead of quantizing the whole conversation again, dropping each
@@ -496,8 +335,8 @@ class PromptStore:
         if cache is None:
             return None, 0
         held, changed = cache, False
-        if restore is not None:
-            restored = restore(list(cache))
+        if dequantize is not None:
+            restored = dequantize(list(cache))
             changed = any(a is not b for a, b in zip(cache, restored))
             cache = restored if changed else cache
         if moved is not None:

@@ -321,14 +321,14 @@ class KVPrefixCache:
 
     # -- persistence ---------------------------------------------------------------------
     def save_to_disk(self, cache_dir: str) -> bool:
-        from kvplugin.cache.service.service import persist_dir  # lazy: mlx loads with the engine
+        from kvplugin.cache.service.persist import persist_dir  # lazy: mlx loads with the engine
 
         return self._service.persist(persist_dir(cache_dir))
 
     def load_from_disk(self, cache_dir: str) -> int:
-        from kvplugin.cache.service.service import persist_dir  # lazy: mlx loads with the engine
+        from kvplugin.cache.service.persist import persist_dir  # lazy: mlx loads with the engine
 
-        return self._service.restore(persist_dir(cache_dir))
+        return self._service.reload(persist_dir(cache_dir))
 
 
 def eval_entry(cache: list) -> None:

@@ -71,7 +71,7 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc) -> None
 
     from kvplugin.cache.layers import entry_nbytes
     from kvplugin.cache.quantize import dequantize_entry, quantize_entry
-    from kvplugin.cache.trim import trim_entry
+    from kvplugin.cache.layers.trim import trim_entry
 
     prompt = mx.array(ids[:plen])[None]
     truth = mx.array(ids[plen : plen + cont])[None]  # the real text that follows

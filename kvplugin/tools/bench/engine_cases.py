@@ -428,7 +428,7 @@ def bench_reuse(geo: Geometry, n_entry: int, turn: int, decode_after: int,
 def bench_stored_bytes(geo: Geometry, n_entry: int, bar: Progress) -> dict[str, Any]:
     from kvplugin.cache.quantize import attention_roundtrip_error, dequantize_entry, quantize_entry
     from kvplugin.cache.layers import entry_nbytes
-    from kvplugin.cache.trim import trim_entry
+    from kvplugin.cache.layers.trim import trim_entry
 
     mx = mlx_core()
     live = _live_cache(geo, n_entry, seed=300)

@@ -72,7 +72,7 @@ def _reused_entry(cache: list, bits: int | None, group_size: int) -> tuple[list,
     """What the host gets back from kvplugin: trimmed, quantized, dequantized (fp16 KVCache)."""
     from kvplugin.cache.quantize import dequantize_entry, quantize_entry
     from kvplugin.cache.layers import entry_nbytes
-    from kvplugin.cache.trim import trim_entry
+    from kvplugin.cache.layers.trim import trim_entry
 
     entry = trim_entry(copy.deepcopy(cache))
     info = {"fp16_bytes": entry_nbytes(entry)}

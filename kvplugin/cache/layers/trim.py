@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kvplugin.cache.layers import entry_arrays, trim_layer
+from kvplugin.cache.layers.kinds import trim_layer
+from kvplugin.cache.layers.accounting import entry_arrays
 
 __all__ = ["trim_entry"]
 
