@@ -314,7 +314,7 @@ class KVPluginSettings(BaseSettings):
     @field_validator("max_memory", mode="before")
     @classmethod
     def _memory_size(cls, v: Any) -> str:
-        from kvplugin.cache.memory.footprint import parse_memory_limit
+        from kvplugin.resources import parse_memory_limit
 
         text = str(v).strip()
         parse_memory_limit(text)  # ValueError names what is wrong
@@ -372,7 +372,7 @@ class KVPluginSettings(BaseSettings):
             return None
         v = v.expanduser()
         if not info.data.get("hot_cache_only"):
-            from kvplugin.cache.tiers.ssd_dir import usable_directory
+            from kvplugin.resources import usable_directory
 
             usable_directory(v)  # ValueError says why; read-only is served (the tier says so)
         return v
@@ -380,7 +380,7 @@ class KVPluginSettings(BaseSettings):
     @property
     def max_memory_bytes(self) -> int | None:
         """The admission limit in bytes; ``None``: no admission control (``off``)."""
-        from kvplugin.cache.memory.footprint import parse_memory_limit
+        from kvplugin.resources import parse_memory_limit
 
         return parse_memory_limit(self.max_memory)
 

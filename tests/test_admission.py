@@ -15,11 +15,10 @@ from kvplugin.cache.memory.footprint import (
     GROWTH_SLACK,
     AdmissionRefused,
     Ledger,
-    parse_memory_limit,
-    physical_memory,
     probe_footprint,
 )
 from kvplugin.cache.service.service import KVService
+from kvplugin.resources import parse_memory_limit, physical_memory
 from kvplugin.hookspecs import hookimpl
 from kvplugin.settings import SettingsError, resolve_settings
 

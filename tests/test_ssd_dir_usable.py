@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from kvplugin.cache.tiers.ssd_dir import usable_directory
+from kvplugin.resources import usable_directory
 from kvplugin.settings import SettingsError, resolve_settings
 
 

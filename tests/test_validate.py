@@ -1,4 +1,4 @@
-"""Fetched entries are checked against the model's own cache (kvplugin.cache.model.fit)."""
+"""Fetched entries are checked against the model's own cache (kvplugin.cache.service.fit)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from kvplugin.cache.model.fit import entry_problem, reference_of
+from kvplugin.cache.service.fit import entry_problem, reference_of
 
 
 def _model():

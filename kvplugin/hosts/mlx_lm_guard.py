@@ -4,7 +4,7 @@ Why: mlx-lm runs every request in one generation thread. Its sequential path cat
 request's error and hands it to that request, but its batched path does not: an exception
 from ``BatchGenerator.next`` (e.g. a reused cache that cannot be merged into the batch)
 escapes ``_generate``, the thread dies, and the process answers 503 until restarted. kvplugin
-checks every cold entry before it is handed over (:mod:`kvplugin.cache.model.fit`); this is
+checks every cold entry before it is handed over (:mod:`kvplugin.cache.service.fit`); this is
 the last line: whatever still goes wrong costs the requests in flight an error, never the
 server.
 

@@ -25,8 +25,6 @@ evictions) and hands MLX's buffer cache back to the system.
 
 from __future__ import annotations
 
-import os
-import re
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -37,52 +35,14 @@ __all__ = [
     "Footprint",
     "Ledger",
     "Verdict",
-    "parse_memory_limit",
-    "physical_memory",
     "probe_footprint",
 ]
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 #: Activation bytes per token and hidden unit in one layer's forward pass (attention
 #: projections, MLP up/gate/down at up to ~4x hidden): a generous bound.
 ACTIVATION_FACTOR = 16
 #: Tokens a growing cache may hold beyond what it uses (mlx-lm's growth step).
 GROWTH_SLACK = 256
-
-
-def physical_memory() -> int:
-    """The machine's physical memory in bytes (what ``auto`` means)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def parse_memory_limit(text: str) -> int | None:
-    """``auto``, ``off``, ``12GiB``, ``800MB``, ``1e9`` (bytes), ``0.75`` or ``75%`` (of
-    physical memory) -> bytes, ``None`` for ``off``. Raises ``ValueError`` saying why."""
-    t = str(text).strip().lower()
-    if t == "off":
-        return None
-    if t == "auto":
-        return physical_memory()
-    if t.endswith("%"):
-        frac = float(t[:-1]) / 100 if re.fullmatch(r"[0-9]*\.?[0-9]+", t[:-1]) else -1.0
-        if not 0 < frac <= 1:
-            raise ValueError("a percentage must be in (0, 100]")
-        return int(physical_memory() * frac)
-    m = _SIZE.match(t)
-    if m is None or m.group(2) not in _UNITS:
-        raise ValueError("not a size")
-    number, unit = float(m.group(1)), m.group(2)
-    if not unit and number <= 1:
-        if number <= 0:
-            raise ValueError("must be > 0")
-        return int(physical_memory() * number)  # a fraction of physical memory
-    value = int(number * _UNITS[unit])
-    if value < 2**20:
-        raise ValueError("less than 1 MiB cannot hold a model")
-    return value
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from kvplugin.cache.store.prompts import RecentPrompts
 from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.service.persist import Persistence
 from kvplugin.cache.service.report import Reporting
-from kvplugin.cache.model.fit import ModelChecker
+from kvplugin.cache.service.fit import ModelChecker
 from kvplugin.settings import KVPluginSettings
 
 __all__ = ["Counters", "KVService", "store_key"]
@@ -275,7 +275,7 @@ class KVService(Persistence, Reporting):
         limit (``--max-memory``; off: of physical memory). Below that the buffers are kept
         for the next request to reuse, as MLX intends."""
         self.admission.finish(key)
-        from kvplugin.cache.memory.footprint import physical_memory
+        from kvplugin.resources import physical_memory
         from kvplugin.cache.memory.release import buffer_cache_bytes
 
         ledger = self.admission.ledger
@@ -346,7 +346,7 @@ class KVService(Persistence, Reporting):
         """The best stored entry for ``tokens``, dequantized, owned by the caller.
 
         With ``model`` (the model the host will run it with), an entry from the cold tier is
-        first checked against the model's own cache (:mod:`kvplugin.cache.model.fit`): one that
+        first checked against the model's own cache (:mod:`kvplugin.cache.service.fit`): one that
         does not fit is a counted miss (``entries_invalid``), said once, never handed over.
 
         Returns ``(cache, n)``: the cache covers the first ``n`` tokens of ``tokens`` (at

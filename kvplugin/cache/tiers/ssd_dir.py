@@ -1,7 +1,7 @@
 """One SSD tier directory: whether it can be used at all, and one budget over it, whatever
 processes and models share it.
 
-:func:`usable_directory` answers the first before the server listens, by trying: a missing
+:func:`kvplugin.resources.usable_directory` answers the first before the server listens, by trying: a missing
 directory must be creatable, an existing one listable; one that cannot be written (a
 read-only mount, no write permission) is a read-only tier. Trying, not ``os.access``: root
 passes ``access`` on ``/proc`` and on a directory it cannot list, and only a write tells a
@@ -34,7 +34,6 @@ counted, never read or deleted through.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import stat
@@ -43,55 +42,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["DirView", "LOCK_NAME", "STALE_S", "dir_lock", "leftover_name", "make_room", "scan",
-           "usable_directory"]
+__all__ = ["DirView", "LOCK_NAME", "STALE_S", "dir_lock", "leftover_name", "make_room", "scan"]
 
 LOCK_NAME = ".kvplugin-lock"
 STALE_S = 600.0  # a leftover whose writer pid is alive but older than this is abandoned
 _LEFTOVER = re.compile(r"^\.(tmp|claim)-(?:(\d+)-)?[0-9a-f]+")
-# A write refused for these reasons leaves a directory that can still be read: read-only.
-_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
-# A full disk is the tier's to handle (it evicts, then counts failed spills), not an error.
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def usable_directory(directory: Path) -> bool:
-    """Whether the tier can write ``directory`` (True) or only read it (False, it exists and
-    refuses writes); raises ``ValueError`` saying why it cannot use it at all (the caller
-    names the path and the option). Every try is
-    undone: nothing is left behind, a missing directory is not created."""
-    import tempfile
-
-    path = Path(directory)
-    if not os.path.exists(path):  # (os.path: a parent that cannot be searched is "missing")
-        if os.path.islink(path):
-            raise ValueError("a symbolic link to nothing")
-        parent = next(p for p in path.parents if os.path.exists(p))  # "/" or "." exists
-        if not os.path.isdir(parent):
-            raise ValueError(f"{parent} is not a directory")
-        try:  # a name of our own: a directory another process creates now is never touched
-            os.rmdir(tempfile.mkdtemp(prefix=f".kvplugin-probe-{os.getpid()}-", dir=parent))
-        except OSError as e:
-            raise ValueError(f"cannot be created: {e.strerror} in {parent}") from None
-        return True
-    if not os.path.isdir(path):
-        raise ValueError("not a directory")
-    try:
-        os.listdir(path)
-        os.stat(os.path.join(path, "."))  # entries are reached through it: search permission too
-    except OSError as e:
-        raise ValueError(f"cannot be read: {e.strerror}") from None
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".kvplugin-probe-{os.getpid()}-", dir=path)
-    except OSError as e:
-        if e.errno in _READ_ONLY:
-            return False
-        if e.errno in _FULL:
-            return True
-        raise ValueError(f"cannot be written: {e.strerror}") from None
-    os.close(fd)
-    os.unlink(probe)
-    return True
 
 
 @contextlib.contextmanager
