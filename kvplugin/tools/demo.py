@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from kvplugin.tools import hostproc
+from kvplugin.tools import hostcmd, hostproc
 from kvplugin.tools.client import STATS_PATH, Reply, get_stats, stream_chat, timed_chat
 from kvplugin.tools.console import (
     KiB,
@@ -39,7 +39,8 @@ from kvplugin.tools.console import (
     stop_quietly,
 )
 from kvplugin.tools.console import parse_size as _size
-from kvplugin.tools.hostproc import HostNotInstalled, ServerProcess, ServerStartError
+from kvplugin.tools.hostcmd import HostNotInstalled
+from kvplugin.tools.hostproc import ServerProcess, ServerStartError
 from kvplugin.tools.launch import (
     HOSTS,
     DemoFailed,
@@ -180,7 +181,7 @@ def _serve_once(spec: HostSpec, version: str, model_dir: Path, maker: TextMaker,
                 args: argparse.Namespace, *, stock: bool, progress: bool) -> dict[str, Any]:
     """Start one server (stock: ``KVPLUGIN_DISABLE=1`` for it alone), hold the conversation
     under the memory recorder, stop it; the numbers of that one server."""
-    port = (args.port if not stock else None) or hostproc.free_port()
+    port = (args.port if not stock else None) or hostcmd.free_port()
     budget = [*spec.budget_args(args.prompt_cache_bytes)]
     host_args = [*budget, *args.host_args] if stock else [
         *kvplugin_flags(args.bits, args.min_quantize_tokens), *budget, *args.host_args]

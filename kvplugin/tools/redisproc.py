@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvplugin.tools.hostproc import HOST, free_port
+from kvplugin.tools.hostcmd import HOST, free_port
 
 __all__ = ["RedisNotInstalled", "RedisServer"]
 
