@@ -1,4 +1,5 @@
-"""Integration-test face of :mod:`kvplugin.tools.hostproc` plus the pytest glue."""
+"""Integration-test face of :mod:`kvplugin.tools.hostcmd` and :mod:`kvplugin.tools.hostproc`
+plus the pytest glue."""
 
 from __future__ import annotations
 
@@ -7,13 +8,10 @@ import json
 import os
 from typing import Any, Callable, Mapping
 
+from kvplugin.tools.hostcmd import *  # noqa: F403  (the harness API)
+from kvplugin.tools.hostcmd import SERVED_MODEL_NAME, free_port, vllm_mlx_serve_cmd
 from kvplugin.tools.hostproc import *  # noqa: F403  (the harness API)
-from kvplugin.tools.hostproc import (
-    SERVED_MODEL_NAME,
-    ServerProcess,
-    free_port,
-    vllm_mlx_serve_cmd,
-)
+from kvplugin.tools.hostproc import ServerProcess
 
 # --------------------------------------------------------------------------- #
 # pytest glue
@@ -243,7 +241,7 @@ def failed_start(args: list[str], port: int, env: Mapping[str, str | None] | Non
     import time
     from pathlib import Path
 
-    from kvplugin.tools.hostproc import HOST, server_env
+    from kvplugin.tools.hostcmd import HOST, server_env
 
     with tempfile.TemporaryDirectory(prefix="kvplugin-start-") as tmp:
         home = Path(tmp) / "home"

@@ -70,7 +70,7 @@ class HostDeclaration:
         self.label = label  # how a user starts it, for messages: "mlx_lm.server"
         self.console_script = console_script  # the host's command, next to sys.executable
         # Arguments after the console script; {model}, {host}, {port} and
-        # {served_model_name} are filled in by the launcher (kvplugin.tools.hostproc).
+        # {served_model_name} are filled in by the launcher (kvplugin.tools.hostcmd).
         self.launch = launch
         # ``python -m <these>`` starts the host like its console script (None: no such form)
         self.module_launch = module_launch

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import kvplugin
 from kvplugin import config_sources
+from kvplugin.home import kvplugin_home
 from kvplugin.settings import (
     config_file_in_force,
     option_infos,
@@ -93,7 +94,6 @@ def collect(flags: Mapping[str, Any], server: str | None = None) -> dict[str, An
     from kvplugin.codecs import codec_plan
     from kvplugin.hosts import all_adapters
     from kvplugin.plugins import list_plugins
-    from kvplugin.tools.models.tiny import kvplugin_home
 
     settings = resolve_settings(flags)
     sources = setting_sources(flags)

@@ -14,7 +14,7 @@ import pytest
 
 from kvplugin import cli
 from kvplugin.settings import option_infos
-from kvplugin.tools import demo, hostproc
+from kvplugin.tools import demo, hostcmd
 
 
 def _exit_code(argv, capsys):
@@ -192,9 +192,9 @@ def test_size_argument(text, value):
 
 def test_demo_missing_host_fails_clearly(capsys, monkeypatch):
     def missing(dist):
-        raise hostproc.HostNotInstalled(f"distribution {dist!r} is not installed")
+        raise hostcmd.HostNotInstalled(f"distribution {dist!r} is not installed")
 
-    monkeypatch.setattr(hostproc, "host_version", missing)
+    monkeypatch.setattr(hostcmd, "host_version", missing)
     rc = cli.main(["demo", "--host", "vllm-mlx", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 1
@@ -202,7 +202,7 @@ def test_demo_missing_host_fails_clearly(capsys, monkeypatch):
 
 
 def test_demo_unsupported_host_version_fails_clearly(capsys, monkeypatch):
-    monkeypatch.setattr(hostproc, "host_version", lambda dist: "0.1.0")
+    monkeypatch.setattr(hostcmd, "host_version", lambda dist: "0.1.0")
     rc = cli.main(["demo", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 1
@@ -247,7 +247,7 @@ def test_host_specs():
     assert mlx.budget_args(8 << 20) == ["--prompt-cache-bytes", str(8 << 20),
                                         "--prompt-cache-size", "1000"]
     vllm = demo.host_spec("vllm-mlx")
-    assert vllm.model == hostproc.SERVED_MODEL_NAME
+    assert vllm.model == hostcmd.SERVED_MODEL_NAME
     assert vllm.budget_args(8 << 20)[0] == "--cache-memory-mb"
     assert vllm.env["VLLM_MLX_SIMPLE_ENGINE_LOCK_ADMISSION"] == "wait"
 

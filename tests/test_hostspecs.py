@@ -146,13 +146,13 @@ def test_a_third_host_is_found_through_the_entry_point_group(monkeypatch):
 
 
 def test_launch_commands_come_from_the_declaration(monkeypatch, tmp_path):
-    from kvplugin.tools import hostproc
+    from kvplugin.tools import hostcmd
 
-    monkeypatch.setattr(hostproc, "venv_script", lambda name: tmp_path / name)
-    cmd = hostproc.vllm_mlx_serve_cmd("/m", 8000, "--x")
+    monkeypatch.setattr(hostcmd, "venv_script", lambda name: tmp_path / name)
+    cmd = hostcmd.vllm_mlx_serve_cmd("/m", 8000, "--x")
     assert cmd == [str(tmp_path / "vllm-mlx"), "serve", "/m", "--host", "127.0.0.1",
                    "--port", "8000", "--offline", "--served-model-name",
-                   hostproc.SERVED_MODEL_NAME, "--x"]
-    cmd = hostproc.mlx_lm_server_cmd("/m", 8001)
+                   hostcmd.SERVED_MODEL_NAME, "--x"]
+    cmd = hostcmd.mlx_lm_server_cmd("/m", 8001)
     assert cmd == [str(tmp_path / "mlx_lm.server"), "--model", "/m", "--host", "127.0.0.1",
                    "--port", "8001"]

@@ -7,6 +7,7 @@ interpreter, which must end with no ``kvplugin.tools`` module loaded.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,19 @@ def test_importing_the_runtime_never_imports_tools():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_info_finds_the_model_cache_without_tools(tmp_path):
+    """``kvplugin info`` is runtime: reporting where models are built loads no tools module."""
+    code = (
+        "import sys\n"
+        "from kvplugin.info import collect\n"
+        "print(collect({})['model_cache'])\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kvplugin.tools')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUGIN_")}
+    env["KVPLUGIN_HOME"] = str(tmp_path / "home")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [str(tmp_path / "home"), "[]"]

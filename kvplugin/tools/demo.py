@@ -12,7 +12,8 @@ is stopped on every way out: normal end, error, Ctrl-C (exit 130) and SIGTERM (e
 
 The pieces shared with ``kvplugin bench --server`` live beside it: launch specs
 (:mod:`~kvplugin.tools.launch`), requests (:mod:`~kvplugin.tools.client`), prompt text
-(:mod:`~kvplugin.tools.prompts`) and stderr/signal handling (:mod:`~kvplugin.tools.console`).
+(:mod:`~kvplugin.tools.prompts`) and stderr/signal handling (:mod:`~kvplugin.tools.console`);
+the summary and the printed report are :mod:`~kvplugin.tools.demo_report`.
 Stdlib only at import time.
 """
 
@@ -22,24 +23,18 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from kvplugin.tools import hostproc
+from kvplugin.tools import hostcmd, hostproc
 from kvplugin.tools.client import STATS_PATH, Reply, get_stats, stream_chat, timed_chat
-from kvplugin.tools.console import (
-    KiB,
-    MiB,
-    Status,
-    cleanup_signals,
-    say,
-    stop_quietly,
-)
+from kvplugin.tools.console import MiB, Status, cleanup_signals, say, stop_quietly
 from kvplugin.tools.console import parse_size as _size
-from kvplugin.tools.hostproc import HostNotInstalled, ServerProcess, ServerStartError
+from kvplugin.tools.demo_report import format_report, summarize
+from kvplugin.tools.hostcmd import HostNotInstalled
+from kvplugin.tools.hostproc import ServerProcess, ServerStartError
 from kvplugin.tools.launch import (
     HOSTS,
     DemoFailed,
@@ -64,6 +59,7 @@ __all__ = [
     "main",
 ]
 
+
 def _announcing_ready_check(announce: Callable[[ServerProcess], None]):
     """``default_ready_check`` that calls ``announce(server)`` on its first poll (the child
     exists then: its pid is known while the host is still starting)."""
@@ -77,33 +73,6 @@ def _announcing_ready_check(announce: Callable[[ServerProcess], None]):
         return hostproc.default_ready_check(server)
 
     return check
-
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.0f} ms"
-
-
-def _speedup(cold: float | None, warm: float | None) -> float | None:
-    if not cold or not warm:
-        return None
-    return cold / warm
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    if abs(n) >= MiB:
-        return f"{n / MiB:.2f} MiB"
-    if abs(n) >= KiB:
-        return f"{n / KiB:.1f} KiB"
-    return f"{n:.0f} B"
-
-
-def _median(xs: Sequence[float | None]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def kvplugin_flags(bits: int, min_tokens: int) -> list[str]:
@@ -180,7 +149,7 @@ def _serve_once(spec: HostSpec, version: str, model_dir: Path, maker: TextMaker,
                 args: argparse.Namespace, *, stock: bool, progress: bool) -> dict[str, Any]:
     """Start one server (stock: ``KVPLUGIN_DISABLE=1`` for it alone), hold the conversation
     under the memory recorder, stop it; the numbers of that one server."""
-    port = (args.port if not stock else None) or hostproc.free_port()
+    port = (args.port if not stock else None) or hostcmd.free_port()
     budget = [*spec.budget_args(args.prompt_cache_bytes)]
     host_args = [*budget, *args.host_args] if stock else [
         *kvplugin_flags(args.bits, args.min_quantize_tokens), *budget, *args.host_args]
@@ -274,7 +243,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "preload": sorted(getattr(args, "extra_env", {})),
         "stock": stock, "kvplugin": {k: v for k, v in ours.items() if k != "stats"},
     }
-    result["summary"] = _summary(result)
+    result["summary"] = summarize(result)
     return result
 
 
@@ -288,152 +257,6 @@ def _inactive_message(srv: ServerProcess, spec: HostSpec) -> str:
         f"outside kvplugin's range, or the adapter failed to patch the host. The server "
         f"said:\n  {why}\nFull log: {srv.log_path}"
     )
-
-
-def _summary(result: Mapping[str, Any]) -> dict[str, Any]:
-    stats = result["stats"]
-    turns = result["turns"]
-    entries = stats.get("entries")
-    held_dense = sum(e.get("dense_nbytes", 0) for e in entries) if entries else None
-    held_tokens = sum(e.get("tokens", 0) for e in entries) if entries else None
-    cold_stream = turns[0]["ttft_s"] if turns else None
-    warm_stream = _median([t["ttft_s"] for t in turns[1:]])
-    one = result["one_token"]
-    return {
-        "entries_stored": stats.get("entries_stored", 0),
-        "entries_quantized": stats.get("entries_quantized", 0),
-        "hits": stats.get("store_hits", 0),
-        "misses": stats.get("store_misses", 0),
-        "tokens_reused": stats.get("store_tokens_reused", 0),
-        "entries_held": stats.get("store_entries"),
-        "held_tokens": held_tokens,
-        "held_bytes_fp16": held_dense,
-        "held_bytes_stored": stats.get("store_bytes"),
-        "host_bytes": stats.get("bytes_before"),
-        "stored_bytes": stats.get("bytes_stored"),
-        "system_prompt_tokens": (turns[0]["prompt_tokens"] if turns else None),
-        "ttft_stream_cold_s": cold_stream,
-        "ttft_stream_warm_s": warm_stream,
-        "ttft_stream_speedup": _speedup(cold_stream, warm_stream),
-        "ttft_1tok_cold_s": one["cold"]["ttft_s"],
-        "ttft_1tok_warm_s": one["warm"]["ttft_s"],
-        "ttft_1tok_speedup": _speedup(one["cold"]["ttft_s"], one["warm"]["ttft_s"]),
-        "side_by_side": {name: _row(result[name], result.get("budget_bytes"))
-                         for name in ("stock", "kvplugin") if name in result},
-    }
-
-
-def _row(run: Mapping[str, Any], budget: int | None) -> dict[str, Any]:
-    """One server's comparable figures (the same measurement for stock and kvplugin)."""
-    turns = run.get("turns") or []
-    mem = run.get("memory") or {}
-    held = mem.get("held_after_bytes")
-    return {
-        "label": run.get("label"),
-        "held_after_bytes": held,
-        "conversations_in_budget": (int(budget // held) if budget and held and held > 0
-                                    else None),
-        "reuse_peak_over_bytes": mem.get("reuse_peak_over_bytes"),
-        "reuse_peak_bytes": mem.get("reuse_peak_bytes"),
-        "hwm_growth_bytes": mem.get("hwm_growth_bytes"),
-        "ttft_cold_s": turns[0]["ttft_s"] if turns else None,
-        "ttft_warm_s": _median([t["ttft_s"] for t in turns[1:]]),
-        "tokens_reused": sum(t.get("cached_tokens") or 0 for t in turns),
-    }
-
-
-def format_report(result: Mapping[str, Any]) -> str:
-    s = result["summary"]
-    stats = result["stats"]
-    q = stats.get("quantization")
-    out = [
-        f"kvplugin demo: {result['host']} {result['host_version']}, "
-        + ("SmolLM2-135M-Instruct (real weights, fp32, OpenBLAS preloaded for both servers)"
-           if result.get("model") == "smollm2" else
-           "tiny local model (random weights: the answers are gibberish; the cache is real)"),
-        f"  server: {result['command']}",
-        "",
-        f"conversation ({s['system_prompt_tokens']} prompt tokens in turn 1, "
-        f"{len(result['turns'])} turns, streamed):",
-    ]
-    for t in result["turns"]:
-        text = " ".join((t["text"] or "").split())
-        text = text[:38] + ("..." if len(text) > 38 else "")
-        out.append(f"  turn {t['turn']}: prompt {t['prompt_tokens'] or '?':>5} tokens, "
-                   f"cached {t['cached_tokens'] if t['cached_tokens'] is not None else '?':>5}, "
-                   f"first token after {_ms(t['ttft_s']):>7}   {text!r}")
-    quant = (f"{q['bits']}-bit, group {q['group_size']}, entries from {q['min_tokens']} tokens"
-             if q else "off")
-    ratio_held = (s["held_bytes_stored"] / s["held_bytes_fp16"]
-                  if s["held_bytes_fp16"] and s["held_bytes_stored"] is not None else None)
-    ratio_all = (s["stored_bytes"] / s["host_bytes"] if s["host_bytes"] else None)
-    out += [
-        "",
-        f"what kvplugin did (GET {STATS_PATH}):",
-        f"  entries stored       {s['entries_stored']}  ({s['entries_quantized']} quantized; "
-        f"quantization {quant})",
-        f"  cache hits           {s['hits']}  (misses {s['misses']}; "
-        f"{s['tokens_reused']} prompt tokens reused)",
-    ]
-    if s["held_bytes_fp16"] is not None:
-        out.append(
-            f"  held now             {s['entries_held']} entries, {s['held_tokens']} tokens: "
-            f"{_fmt_bytes(s['held_bytes_fp16'])} at full precision -> {_fmt_bytes(s['held_bytes_stored'])} "
-            f"as stored" + (f" ({ratio_held:.3f}x)" if ratio_held is not None else ""))
-    else:
-        out.append(f"  held now             {s['entries_held']} entries, "
-                   f"{_fmt_bytes(s['held_bytes_stored'])} as stored")
-    out.append(
-        f"  all entries stored   {_fmt_bytes(s['host_bytes'])} handed over by the host (full-precision "
-        f"live caches) -> {_fmt_bytes(s['stored_bytes'])} stored (trimmed"
-        f"{', quantized' if q else ''}; "
-        + (f"{ratio_all:.3f}x)" if ratio_all is not None else "-)"))
-
-    def row(name: str, cold, warm, sp, how: str) -> str:
-        spd = f"{sp:5.1f}x faster" if sp else "     -"
-        return f"  {name:<16} cold {_ms(cold):>8}   warm {_ms(warm):>8}   {spd}   ({how})"
-
-    sbs = s.get("side_by_side") or {}
-    if "stock" in sbs and "kvplugin" in sbs:
-        st_, kv_ = sbs["stock"], sbs["kvplugin"]
-
-        def pair(name: str, key: str, fmt: Callable[[Any], str], how: str) -> str:
-            return f"  {name:<30} {fmt(st_[key]):>14} {fmt(kv_[key]):>16}   ({how})"
-
-        def n(x: Any) -> str:
-            return "-" if x is None else str(x)
-
-        out += [
-            "",
-            "stock vs kvplugin, the same conversation on each (every figure measured in this run):",
-            f"  {'':<30} {'stock':>14} {'with kvplugin':>16}",
-            pair("held after the conversation", "held_after_bytes", _fmt_bytes,
-                 "MLX active memory, end minus before turn 1, recorded in the server process"),
-            pair("conversations in the budget", "conversations_in_budget", n,
-                 f"the {_fmt_bytes(result.get('budget_bytes'))} prompt-cache budget / the line above"),
-            pair("peak above held, on reuse", "reuse_peak_over_bytes", _fmt_bytes,
-                 "MLX peak during turns 2.. minus active before turn 2, same recorder"),
-            pair("peak on reuse", "reuse_peak_bytes", _fmt_bytes,
-                 "MLX peak during turns 2.. minus active before turn 1"),
-            pair("process high-water growth", "hwm_growth_bytes", _fmt_bytes,
-                 "VmHWM, end minus before turn 1"),
-            pair("first token, turn 1 (cold)", "ttft_cold_s", _ms, "streamed"),
-            pair("first token, later turns", "ttft_warm_s", _ms,
-                 "median; the host's own prompt cache speeds stock up too: compare the columns"),
-            pair("prompt tokens reused", "tokens_reused", n, "the servers' usage.cached_tokens"),
-        ]
-    out += [
-        "",
-        "time to first token with kvplugin (cold: the prompt's prefix is not cached; warm: the "
-        "conversation so far is; the speed-up is the prompt cache's, which stock has too):",
-        row("streaming", s["ttft_stream_cold_s"], s["ttft_stream_warm_s"], s["ttft_stream_speedup"],
-            "first streamed token; turn 1 vs median of later turns"),
-        row("1-token request", s["ttft_1tok_cold_s"], s["ttft_1tok_warm_s"], s["ttft_1tok_speedup"],
-            "whole request, max_tokens=1; new system prompt vs its next turn"),
-        "",
-        "the server was stopped.",
-    ]
-    return "\n".join(out)
 
 
 def build_parser(prog: str = "kvplugin demo") -> argparse.ArgumentParser:

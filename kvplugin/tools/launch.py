@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from kvplugin.hostspecs import BUILTIN_HOSTS, HostDeclaration, declaration
-from kvplugin.tools import hostproc
+from kvplugin.tools import hostcmd
 from kvplugin.tools.console import Status, say
-from kvplugin.tools.hostproc import HostNotInstalled
+from kvplugin.tools.hostcmd import HostNotInstalled
 
 __all__ = ["HOSTS", "INSTALL_HINT", "DemoFailed", "HostSpec", "host_spec", "prepare_model"]
 
@@ -49,7 +49,7 @@ class HostSpec:
     @property
     def model(self) -> str | None:
         """The request's "model" (None: the server's default model)."""
-        return hostproc.SERVED_MODEL_NAME if self.decl.request_needs_model else None
+        return hostcmd.SERVED_MODEL_NAME if self.decl.request_needs_model else None
 
     @property
     def env(self) -> Mapping[str, str]:
@@ -62,7 +62,7 @@ class HostSpec:
     def version(self) -> str:
         """Installed version; :class:`HostNotInstalled` with an install hint if missing."""
         try:
-            return hostproc.host_version(self.distribution)
+            return hostcmd.host_version(self.distribution)
         except HostNotInstalled:
             raise HostNotInstalled(
                 f"{self.name} is not installed in this environment ({sys.executable}). "
@@ -93,9 +93,9 @@ class HostSpec:
         form and its script is missing."""
         script = Path(sys.executable).parent / self.script
         if script.is_file():
-            return hostproc.host_cmd(self.decl, model_dir, port, *extra)
+            return hostcmd.host_cmd(self.decl, model_dir, port, *extra)
         if self.decl.module_launch is not None:
-            return hostproc.module_cmd(self.decl, model_dir, port, *extra)
+            return hostcmd.module_cmd(self.decl, model_dir, port, *extra)
         raise HostNotInstalled(
             f"the {self.script} command is not next to {sys.executable}; install {self.name} "
             f"into this environment: {INSTALL_HINT[self.name]}")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from kvplugin.tools.hostproc import HOST, free_port
+from kvplugin.tools.hostcmd import HOST, free_port
 
 __all__ = ["RedisNotInstalled", "RedisServer"]
 

@@ -38,14 +38,12 @@ from kvplugin.tools.bench.engine_cases import (
     GOALS,
     GROUPS,
     REUSE_RUNS,
-    Geometry,
     bench_budget,
-    bench_growth,
     bench_reuse,
     bench_stored_bytes,
-    growth_configs,
-    mlx_core,
 )
+from kvplugin.tools.bench.engine_growth import bench_growth, growth_configs
+from kvplugin.tools.bench.engine_measure import Geometry, mlx_core
 from kvplugin.tools.bench.engine_report import format_tables, judge_goals, make_plots, strip_private
 from kvplugin.tools.bench.report import Goal, MiB, Progress, environment, goals_table, save_results
 

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvplugin.tools import hostproc
+from kvplugin.tools import hostcmd, hostproc
 from kvplugin.tools.client import stream_chat
 from kvplugin.tools.models.corpus import CORPUS
 
@@ -94,8 +94,8 @@ def bench_family(family: str, work: Path, extra: Sequence[str] = ()) -> dict:
     model = build_family_model(family, work / family / "model")
     row: dict[str, Any] = {"family": family}
     for name, env in (("stock", {"KVPLUGIN_DISABLE": "1"}), ("kvplugin", None)):
-        port = hostproc.free_port()
-        srv = hostproc.ServerProcess(hostproc.mlx_lm_server_cmd(model, port, *extra), port=port,
+        port = hostcmd.free_port()
+        srv = hostproc.ServerProcess(hostcmd.mlx_lm_server_cmd(model, port, *extra), port=port,
                                      env=env, workdir=work / family / name)
         srv.start()
         try:

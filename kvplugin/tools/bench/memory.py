@@ -226,7 +226,8 @@ def run_one(
     host_args: Sequence[str] = (),
 ) -> RunResult:
     """Start one traced server, hold the conversation, stop it, read its trace."""
-    from kvplugin.tools.hostproc import ServerProcess, free_port
+    from kvplugin.tools.hostcmd import free_port
+    from kvplugin.tools.hostproc import ServerProcess
 
     port = free_port()
     trace_path = workdir / f"trace-{key}.jsonl"

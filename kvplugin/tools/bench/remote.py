@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvplugin.tools import hostproc
+from kvplugin.tools import hostcmd, hostproc
 from kvplugin.tools.client import stream_chat
 from kvplugin.tools.redisproc import RedisServer
 
@@ -80,9 +80,9 @@ def measure(model: Path, sizes: Sequence[int], work: Path, env: dict, words: lis
         servers: dict[str, Any] = {}
 
         def start(name: str, *extra: str, disable: bool = False) -> Any:
-            port = hostproc.free_port()
+            port = hostcmd.free_port()
             srv = hostproc.ServerProcess(
-                hostproc.mlx_lm_server_cmd(model, port, *extra), port=port,
+                hostcmd.mlx_lm_server_cmd(model, port, *extra), port=port,
                 env={**env, **({"KVPLUGIN_DISABLE": "1"} if disable else {})},
                 workdir=work / name, startup_timeout=300)
             servers[name] = srv.start()

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvplugin.tools import hostproc
+from kvplugin.tools import hostcmd
 from kvplugin.tools.bench.report import Goal, Progress, environment, goals_table, save_results
 from kvplugin.tools.bench.server_phases import (
     RssSampler,
@@ -54,7 +54,8 @@ from kvplugin.tools.bench.server_phases import (
 from kvplugin.tools.bench.server_report import GOALS, goals, make_plots, ratios, tables
 from kvplugin.tools.client import get_stats
 from kvplugin.tools.console import Status, cleanup_signals, parse_size, stop_quietly
-from kvplugin.tools.hostproc import HostNotInstalled, ServerProcess, ServerStartError
+from kvplugin.tools.hostcmd import HostNotInstalled
+from kvplugin.tools.hostproc import ServerProcess, ServerStartError
 from kvplugin.tools.launch import HOSTS, DemoFailed, HostSpec, host_spec, prepare_model
 from kvplugin.tools.prompts import TextMaker
 
@@ -99,7 +100,7 @@ class _Servers:
         self.failed: list[ServerProcess] = []
 
     def start(self, kind: str, extra: Sequence[str] = ()) -> ServerProcess:
-        port = hostproc.free_port()
+        port = hostcmd.free_port()
         args = [*extra, *self.host_args]
         env = {**self.spec.env, **_server_env(kind, self.bits)}
         srv = ServerProcess(self.spec.command(self.model_dir, port, args), port=port, env=env,

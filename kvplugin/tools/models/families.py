@@ -106,7 +106,8 @@ def available(family: str, mlx_lm_version: str) -> bool:
 
 def build_family_model(family: str, directory: Path | None = None, *, seed: int = 0) -> Path:
     """Build (or reuse) the tiny ``family`` model; returns its directory."""
-    from kvplugin.tools.models.tiny import build_derived_model, kvplugin_home
+    from kvplugin.home import kvplugin_home
+    from kvplugin.tools.models.tiny import build_derived_model
 
     def make(target: Path, tiny_cfg: dict) -> None:
         import mlx.core as mx

@@ -26,7 +26,8 @@ def config(tiny_config: dict) -> dict:
 
 def build_kv_heavy_model(directory: Path | None = None, *, seed: int = 0) -> Path:
     """Build (or reuse) the model in ``directory`` (default: under kvplugin's home)."""
-    from kvplugin.tools.models.tiny import build_derived_model, kvplugin_home
+    from kvplugin.home import kvplugin_home
+    from kvplugin.tools.models.tiny import build_derived_model
 
     def make(target: Path, tiny_cfg: dict) -> None:
         import mlx.core as mx

@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from kvplugin.tools.models.tiny import build_lock, kvplugin_home
+from kvplugin.home import kvplugin_home
+from kvplugin.tools.models.tiny import build_lock
 
 __all__ = [
     "ModelSpec",

@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvplugin.tools.models.tiny import build_lock, kvplugin_home
+from kvplugin.home import kvplugin_home
+from kvplugin.tools.models.tiny import build_lock
 from kvplugin.tools.models import gguf
 
 __all__ = [

@@ -39,6 +39,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
+from kvplugin.home import kvplugin_home
+
 __all__ = [
     "MODEL_VERSION",
     "SERVED_MODEL_NAME",
@@ -102,16 +104,6 @@ _FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
-
-
-def kvplugin_home() -> Path:
-    """Where kvplugin keeps what it builds locally (models): ``$KVPLUGIN_HOME``, else
-    ``$XDG_CACHE_HOME/kvplugin`` (``~/.cache/kvplugin`` by default)."""
-    home = os.environ.get("KVPLUGIN_HOME")
-    if home:
-        return Path(home).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvplugin"
 
 
 def default_model_dir() -> Path:
