@@ -18,13 +18,8 @@ from typing import Any, Mapping
 import kvplugin
 from kvplugin import config_sources
 from kvplugin.home import kvplugin_home
-from kvplugin.settings import (
-    config_file_in_force,
-    option_infos,
-    resolve_settings,
-    setting_sources,
-    shown_value,
-)
+from kvplugin.provenance import config_file_in_force, setting_sources
+from kvplugin.settings import option_infos, resolve_settings, shown_value
 
 PTH_NAME = "kvplugin.pth"
 

@@ -1,4 +1,5 @@
-"""What a setting names on this machine: a memory size, a directory, tried before serving.
+"""What a setting names on this machine: a memory size, a directory, a Redis URL, tried
+before serving.
 
 Why a leaf below the settings: validating ``--max-memory`` and ``--ssd-cache-dir`` needs both,
 and the settings must not reach up into the engine for them. Stdlib only.
@@ -11,7 +12,8 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["parse_memory_limit", "physical_memory", "usable_directory"]
+__all__ = ["TLS_FILE_OPTIONS", "check_redis_url", "check_tls_files", "masked_url", "parse_memory_limit",
+           "physical_memory", "usable_directory"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
@@ -92,3 +94,66 @@ def usable_directory(directory: Path) -> bool:
     os.close(fd)
     os.unlink(probe)
     return True
+
+
+#: Query parameters of a ``rediss://`` URL that name files the redis client reads.
+TLS_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
+
+
+def check_redis_url(url: str) -> str:
+    """The shape of a ``--kv-cache-remote`` URL (stripped), or ``ValueError`` saying what is
+    wrong; reachability is the tier's business (a Redis that is down is served around)."""
+    from urllib.parse import urlsplit
+
+    text = url.strip()
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError as e:
+        raise ValueError(f"not a URL ({e})") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError("the scheme must be redis://, rediss:// or unix://")
+    if parts.scheme == "unix" and not parts.path:
+        raise ValueError("unix:// needs the socket's path")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ValueError("no host")
+    db = parts.path.strip("/")
+    if parts.scheme != "unix" and db and not db.isdigit():
+        raise ValueError(f"the database {db!r} is not a number")
+    check_tls_files(parts.scheme, parts.query)
+    return text
+
+
+def check_tls_files(scheme: str, query: str) -> None:
+    """TLS options only on ``rediss://``, and the files they name readable now: a missing CA
+    would otherwise surface at the first connection, as a Redis that is down."""
+    from urllib.parse import parse_qsl
+
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if not name.startswith("ssl_"):
+            continue
+        if scheme != "rediss":
+            raise ValueError(f"{name} is a TLS option: use rediss://")
+        if name in TLS_FILE_OPTIONS and not os.access(value, os.R_OK):
+            raise ValueError(f"{name}={value} cannot be read")
+
+
+def masked_url(url: str) -> str:
+    """``url`` without its passwords (the one before the host, and any query parameter
+    named ``*password*``, which the redis client also takes): for messages, stats, logs and
+    ``kvplugin info``."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        netloc, query = parts.netloc, parts.query
+        if parts.password is not None:
+            host = netloc.rpartition("@")[2]  # as written ([::1]:6379 keeps its brackets)
+            netloc = (f"{parts.username}:***@" if parts.username else ":***@") + host
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any("password" in name.lower() for name, _ in pairs):
+            query = urlencode([(n, "***" if "password" in n.lower() else v) for n, v in pairs],
+                              safe="/*")
+    except ValueError:
+        return "<a URL>"
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

@@ -37,6 +37,7 @@ from pydantic_settings import (
 from kvplugin import config_sources
 from kvplugin.codecs import CHOICES as KV_CACHE_CODECS
 from kvplugin.config_sources import BOOL_WORDS, ENV_PREFIX, ConfigFile, ConfigFileError
+from kvplugin.resources import check_redis_url, masked_url
 
 # The file the current resolve_settings() call reads (pydantic-settings builds its sources
 # in a classmethod, so the choice travels in a context variable, not a global).
@@ -268,16 +269,9 @@ class KVPluginSettings(BaseSettings):
                 data = {**data, "kv_cache_quantization": True}
         return data
 
-    @field_validator("kv_cache_quantization_bits")
+    @field_validator("kv_cache_quantization_bits", "kv_cache_key_bits", "kv_cache_value_bits")
     @classmethod
-    def _bits(cls, v: int) -> int:
-        if v not in ALLOWED_BITS:
-            raise ValueError("not an allowed bit width")
-        return v
-
-    @field_validator("kv_cache_key_bits", "kv_cache_value_bits")
-    @classmethod
-    def _kv_bits(cls, v: int | None) -> int | None:
+    def _bits(cls, v: int | None) -> int | None:
         if v is not None and v not in ALLOWED_BITS:
             raise ValueError("not an allowed bit width")
         return v
@@ -304,10 +298,13 @@ class KVPluginSettings(BaseSettings):
             raise ValueError("must be >= 0")
         return v
 
-    @field_validator("max_kv_size", "kv_cache_step")
+    @field_validator("max_kv_size", "kv_cache_step", "kv_cache_remote_timeout_ms",
+                     "kv_cache_remote_fetch_timeout_ms", "kv_cache_remote_ttl_s",
+                     "kv_cache_remote_block_tokens", "ssd_cache_max_gb",
+                     "kv_cache_remote_max_value_mb", "kv_cache_remote_queue_mb")
     @classmethod
-    def _positive_or_none(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
+    def _positive(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
             raise ValueError("must be > 0")
         return v
 
@@ -320,48 +317,12 @@ class KVPluginSettings(BaseSettings):
         parse_memory_limit(text)  # ValueError names what is wrong
         return text.lower() if text.lower() in ("auto", "off") else text
 
-    @field_validator("kv_cache_remote_timeout_ms", "kv_cache_remote_fetch_timeout_ms",
-                     "kv_cache_remote_ttl_s", "kv_cache_remote_block_tokens")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError("must be > 0")
-        return v
-
     @field_validator("kv_cache_remote")
     @classmethod
     def _remote_url(cls, v: str | None) -> str | None:
         """The URL's shape, before the server listens; reachability is the tier's business
         (a Redis that is down is served around, a wrong password stops the start)."""
-        if v is None:
-            return None
-        from urllib.parse import urlsplit
-
-        text = v.strip()
-        try:
-            url = urlsplit(text)
-            port = url.port
-        except ValueError as e:
-            raise ValueError(f"not a URL ({e})") from None
-        if url.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError("the scheme must be redis://, rediss:// or unix://")
-        if url.scheme == "unix" and not url.path:
-            raise ValueError("unix:// needs the socket's path")
-        if url.scheme != "unix" and not url.hostname:
-            raise ValueError("no host")
-        db = url.path.strip("/")
-        if url.scheme != "unix" and db and not db.isdigit():
-            raise ValueError(f"the database {db!r} is not a number")
-        del port
-        _check_tls_files(url.scheme, url.query)
-        return text
-
-    @field_validator("ssd_cache_max_gb", "kv_cache_remote_max_value_mb", "kv_cache_remote_queue_mb")
-    @classmethod
-    def _positive_float(cls, v: float) -> float:
-        if not v > 0:
-            raise ValueError("must be > 0")
-        return v
+        return None if v is None else check_redis_url(v)
 
     @field_validator("ssd_cache_dir")
     @classmethod
@@ -391,7 +352,7 @@ class KVPluginSettings(BaseSettings):
     @property
     def remote_url(self) -> str | None:
         """The remote tier in force: none under ``hot_cache_only`` (nothing leaves the
-        process), which :func:`notices` says."""
+        process), which :func:`kvplugin.provenance.notices` says."""
         return None if self.hot_cache_only else self.kv_cache_remote
 
     @property
@@ -400,28 +361,10 @@ class KVPluginSettings(BaseSettings):
 
         ``--hot-cache-only`` is a switch over whatever tier is configured (oMLX's
         ``hot_cache_only``): a launch script or shell profile that always names a
-        directory must not stop the server, so the switch wins and :func:`notices` says
+        directory must not stop the server, so the switch wins and :func:`kvplugin.provenance.notices` says
         the directory is not used.
         """
         return None if self.hot_cache_only else self.ssd_cache_dir
-
-
-#: Query parameters of a ``rediss://`` URL that name files the redis client reads.
-TLS_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
-
-
-def _check_tls_files(scheme: str, query: str) -> None:
-    """TLS options only on ``rediss://``, and the files they name readable now: a missing CA
-    would otherwise surface at the first connection, as a Redis that is down."""
-    from urllib.parse import parse_qsl
-
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if not name.startswith("ssl_"):
-            continue
-        if scheme != "rediss":
-            raise ValueError(f"{name} is a TLS option: use rediss://")
-        if name in TLS_FILE_OPTIONS and not os.access(value, os.R_OK):
-            raise ValueError(f"{name}={value} cannot be read")
 
 
 def option_infos() -> list[OptionInfo]:
@@ -441,27 +384,6 @@ def option_infos() -> list[OptionInfo]:
             )
         )
     return infos
-
-
-def masked_url(url: str) -> str:
-    """``url`` without its passwords (the one before the host, and any query parameter
-    named ``*password*``, which the redis client also takes): for messages, stats, logs and
-    ``kvplugin info``."""
-    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
-
-    try:
-        parts = urlsplit(url)
-        netloc, query = parts.netloc, parts.query
-        if parts.password is not None:
-            host = netloc.rpartition("@")[2]  # as written ([::1]:6379 keeps its brackets)
-            netloc = (f"{parts.username}:***@" if parts.username else ":***@") + host
-        pairs = parse_qsl(query, keep_blank_values=True)
-        if any("password" in name.lower() for name, _ in pairs):
-            query = urlencode([(n, "***" if "password" in n.lower() else v) for n, v in pairs],
-                              safe="/*")
-    except ValueError:
-        return "<a URL>"
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def shown_value(field: str, value: Any) -> Any:
@@ -553,56 +475,3 @@ def resolve_settings(flags: Mapping[str, Any] | None = None) -> KVPluginSettings
         raise SettingsError("kvplugin: " + "; ".join(lines)) from None
     finally:
         _CONFIG_FILE.reset(token)
-
-
-def config_file_in_force() -> ConfigFile | None:
-    """The configuration file :func:`resolve_settings` reads now (for ``kvplugin info``)."""
-    return _config_file()[0]
-
-
-def setting_sources(flags: Mapping[str, Any] | None = None) -> dict[str, Source]:
-    """Where each option's value comes from, for ``kvplugin info`` and logs.
-
-    ``implied`` marks quantization switched on by a bits/group/threshold setting.
-    """
-    given = {k for k, v in (flags or {}).items() if v is not None}
-    _, file_data = _config_file()
-    sources: dict[str, Source] = {}
-    for info in option_infos():
-        if info.field in given:
-            sources[info.field] = "flag"
-        elif os.environ.get(info.env, "").strip():
-            sources[info.field] = "env"
-        elif info.field in file_data:
-            sources[info.field] = "file"
-        else:
-            sources[info.field] = "default"
-    if sources["kv_cache_quantization"] == "default" and any(
-        sources[name] != "default" for name in QUANTIZATION_DETAILS
-    ):
-        sources["kv_cache_quantization"] = "implied"
-    return sources
-
-
-def notices(settings: KVPluginSettings, sources: Mapping[str, Source]) -> list[str]:
-    """Lines the host prints once at start-up where a setting changed another's meaning."""
-    out = []
-    if sources.get("kv_cache_quantization") == "implied":
-        detail = next(
-            option_info(n) for n in QUANTIZATION_DETAILS if sources.get(n) != "default"
-        )
-        out.append(
-            f"{detail.flag} ({detail.env}) turns entry quantization on "
-            f"(--kv-cache-quantization); pass --no-kv-cache-quantization to keep it off"
-        )
-    if settings.hot_cache_only and settings.ssd_cache_dir is not None:
-        out.append(
-            f"--hot-cache-only wins: the SSD directory {settings.ssd_cache_dir} "
-            f"(--ssd-cache-dir / KVPLUGIN_SSD_CACHE_DIR) is not used, nothing is written to disk"
-        )
-    if settings.hot_cache_only and settings.kv_cache_remote is not None:
-        out.append(
-            "--hot-cache-only wins: the remote tier (--kv-cache-remote / "
-            "KVPLUGIN_KV_CACHE_REMOTE) is not used, nothing leaves the process"
-        )
-    return out

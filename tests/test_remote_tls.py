@@ -17,7 +17,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kvplugin.cache.tiers.remote import RemoteTier
-from kvplugin.settings import SettingsError, masked_url, resolve_settings
+from kvplugin.resources import masked_url
+from kvplugin.settings import SettingsError, resolve_settings
 from kvplugin.tools.redisproc import RedisServer
 
 MODEL = "mlx-lm|fp-tls|max_kv=0"

@@ -2,14 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvplugin.settings import (
-    ALLOWED_BITS,
-    SettingsError,
-    option_infos,
-    notices,
-    resolve_settings,
-    setting_sources,
-)
+from kvplugin.provenance import notices, setting_sources
+from kvplugin.settings import ALLOWED_BITS, SettingsError, option_infos, resolve_settings
 
 
 def test_defaults():

@@ -9,13 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kvplugin import log
-from kvplugin.settings import (
-    SettingsError,
-    config_file_in_force,
-    notices,
-    resolve_settings,
-    setting_sources,
-)
+from kvplugin.provenance import config_file_in_force, notices, setting_sources
+from kvplugin.settings import SettingsError, resolve_settings
 
 
 @pytest.fixture

@@ -216,8 +216,8 @@ class HostAdapter:
 
     def say_active(self, session: Any, *, mode: str | None = None) -> None:
         """The one ``kvplugin: active ...`` line, once per process, then one line for each
-        setting that changed another's meaning (see :func:`kvplugin.settings.notices`)."""
-        from kvplugin.settings import notices, setting_sources
+        setting that changed another's meaning (see :func:`kvplugin.provenance.notices`)."""
+        from kvplugin.provenance import notices, setting_sources
 
         say(session.active_line(self.version(), stats_path=STATS_PATH, mode=mode),
             key=f"{self.name}:active")

@@ -15,7 +15,7 @@ from kvplugin.cache.layers import dense_nbytes, layer_bits
 from kvplugin.cache.memory.release import mlx_memory
 from kvplugin.cache.tiers import remote_stats
 from kvplugin.codecs import codec_plan
-from kvplugin.settings import masked_url
+from kvplugin.resources import masked_url
 
 __all__ = ["COLD_FIELDS", "Reporting", "describe_entry"]
 

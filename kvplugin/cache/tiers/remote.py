@@ -17,7 +17,7 @@ What the tier promises, because Redis is never on the critical path of correctne
   back-off (0.5 s doubling to 30 s, no attempt in between). A wrong password or database, a
   TLS certificate that does not verify or an option the client does not take is a start-up
   error naming the flag, since serving without the tier would ignore what was asked. The
-  password is never shown (:func:`kvplugin.settings.masked_url`).
+  password is never shown (:func:`kvplugin.resources.masked_url`).
 * **Nothing read is trusted**: digest, size bound, namespace and tokens are checked
   (:mod:`kvplugin.cache.tiers.remote_wire`), and the store validates the entry against the
   model before the host sees it; a value the model refuses is deleted (``discard``).
@@ -40,7 +40,7 @@ from kvplugin.cache.tiers.serialize import Unsupported
 from kvplugin.cache.tiers.refusals import Refusals
 from kvplugin.cache.tiers.remote_keys import Namespace
 from kvplugin.cache.tiers.remote_wire import Corrupt, decode, encode, seal
-from kvplugin.settings import masked_url
+from kvplugin.resources import masked_url
 
 __all__ = ["RemoteTier"]
 
