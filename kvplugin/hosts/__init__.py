@@ -6,7 +6,7 @@ are imported by the adapters' ``apply`` only, after the host itself imported the
 Adapters are found through the ``kvplugin.hosts`` entry-point group (pyproject lists the
 built-in ones), so a third host can ship as its own plugin. The built-in adapters are also
 known from :mod:`kvplugin.hostspecs` itself, so a source checkout whose installed metadata
-predates a change still finds them.
+is older than its code still finds them.
 """
 
 from __future__ import annotations

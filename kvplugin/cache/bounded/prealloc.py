@@ -2,9 +2,9 @@
 staggered steps up to its bound, and stepped KVCaches.
 
 Why: mlx-lm's ``KVCache`` and ``RotatingKVCache`` grow by concatenating 256 zero slots, so every
-growth step holds the old and the new buffer at once (2x transient, a ~30 ms spike per step at
-128 MiB), and a multi-token prefill makes ``RotatingKVCache`` keep up to ``max_size + L - 1``
-slots. :class:`PreallocatedRotatingKVCache` (the name predates its growth) grows each layer by
+growth step holds the old and the new buffer at once (a 2x transient), and a multi-token
+prefill makes ``RotatingKVCache`` keep up to ``max_size + L - 1`` slots.
+:class:`PreallocatedRotatingKVCache` grows each layer by
 large steps staggered across layers until ``max_size`` slots, writes in place afterwards, and
 after every update keeps at most ``max_size`` slots, while returning to attention exactly the
 keys/values (same tokens, same order) that the stock class returns, so attention outputs are
@@ -60,7 +60,7 @@ def _eval_now(*arrays: mx.array) -> None:
     """Evaluate ``arrays`` unless we are inside a function transformation (compile, vmap...).
 
     Evaluating the attention window before writing the buffer lets MLX donate the buffer to the
-    in-place write (measured: without it the write copies the whole buffer, +max_size slots).
+    in-place write (without it the write copies the whole buffer).
     Under a transformation ``eval`` raises ``ValueError``; the lazy path is equally correct,
     only less frugal.
     """

@@ -33,12 +33,10 @@ def trim_entry(cache: list, *, consume: bool = False) -> list:
     arrays are evaluated here, so that once the caller drops the original entry its oversized
     buffers are really released (a lazy copy would keep its source alive until evaluated).
 
-    An exact layer is left as it is, evaluated or not. mlx-lm 0.32's batched path hands over
-    exact-size *lazy* copies (``mx.contiguous`` of a slice of the batch's buffer, which the
-    batch still holds at insert time). Evaluating them here was measured (SmolLM2, 5 turns,
-    fp16): the MLX peak rose from 2.20x to 3.09x the entry (stock 2.18x) and VmHWM growth
-    from 2.57-2.82x to 3.13x, the copy made while the batch's buffer is still alive. Left lazy,
-    the copy runs at the fetch, layer by layer once the batch is gone (15-26 ms there).
+    An exact layer is left as it is, evaluated or not: mlx-lm's batched path hands over
+    exact-size *lazy* copies of a buffer the batch still holds at insert time, and evaluating
+    them here would hold both at once (docs/benchmarks.md, design decisions); left lazy, the
+    copy runs at the fetch, layer by layer once the batch is gone.
     """
     out = cache if consume else list(cache)
     for i, layer in enumerate(cache):

@@ -11,8 +11,7 @@ request *needs* (an upper bound, estimated from the model's own cache layers, se
 - its KV cache when it ends: KV bytes per token x (prompt + max_tokens), per layer, plus one
   growth step; a bounded layer (sliding window, ``--max-kv-size``) at most its window;
   recurrent state its fixed size; twice that on a batched path, where the host copies a
-  request's cache into the batch (measured: four concurrent 1.1k-token requests on mlx-lm's
-  batched path peaked at 234 MiB against 160 MiB of single-request estimates);
+  request's cache into the batch;
 - one prefill chunk's transient: the chunk's new KV, one layer's old buffer while it grows,
   the chunk's activations and its attention scores;
 - with quantized entries, dequantizing the fetched entry: its full-precision size.

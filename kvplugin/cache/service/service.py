@@ -203,10 +203,8 @@ class KVService(Persistence, Reporting):
         if quantized is not None:
             entry = quantized
             self._event("quantize", num_tokens, entry)
-            # The codec's temporaries (unpacked codes, fp32 copies: several times a layer)
-            # stay in MLX's buffer cache, and the next prefill's buffers of other sizes stack
-            # on them: measured, the process peak rose 2.4x the entry above stock's on a
-            # 2-layer MLA model, and 0.5x the entry on SmolLM2. Handed back at once instead.
+            # The codec's temporaries stay in MLX's buffer cache, where the next prefill's
+            # buffers of other sizes would stack on them: handed back at once instead.
             self.release_memory()
         after = entry_nbytes(entry)
         with self._lock:
@@ -352,10 +350,9 @@ class KVService(Persistence, Reporting):
         Returns ``(cache, n)``: the cache covers the first ``n`` tokens of ``tokens`` (at
         least one token is always left to process), or ``(None, 0)`` on a miss. Nothing is
         allocated here for an fp16 entry: a moved entry is the stored arrays themselves and a
-        shared prefix is a view of its donor. Growth room is not added either: measured on a
-        real server, the batched path copies the cache into its batch anyway, and a model's
-        forward pass frees each layer's old buffer as it grows, so room given here was a
-        whole extra entry at the peak for nothing.
+        shared prefix is a view of its donor. Growth room is not added either: the batched
+        path copies the cache into its batch anyway, and a model's forward pass frees each
+        layer's old buffer as it grows, so room given here would be a whole entry at the peak.
         """
         self._recent_prompts.add(model_key, tokens)
         check = None if model is None else (lambda entry: self._fits(model, entry))

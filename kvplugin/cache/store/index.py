@@ -2,7 +2,7 @@
 
 Why one index: the hot tier and the SSD tier answer the same question (the longest stored
 prefix of a request, or failing that an entry sharing its first tokens) and keep the same
-recency order; each used to keep its own trie and LRU. :class:`KeyIndex` holds values (a
+recency order. :class:`KeyIndex` holds values (a
 hot entry, an SSD file record) under ``(namespace, token tuple)`` and knows their sizes, so a
 tier only decides what a value *is* and what happens to it.
 

@@ -323,10 +323,8 @@ class PromptStore:
         A moved entry is lent (see *Contention*) once dequantized. A dequantized one lends the
         quantized layers it was stored as (``dequantize`` gets a copy of the list, so they are
         not consumed): they stay beside the host's copy until the turn's first insert
-        continues them, 0.28x (4-bit) to 0.53x (8-bit) of the entry, and that insert's codec
-        copies their rows instead of quantizing the whole conversation again, dropping each
-        layer once copied (:meth:`stored_prefix`; measured on SmolLM2: two of a warm turn's
-        three whole-entry codec passes gone, and a lower process peak, docs/benchmarks.md).
+        continues them, and that insert's codec copies their rows instead of quantizing the
+        whole conversation again, dropping each layer once copied (:meth:`stored_prefix`).
         """
         me = threading.get_ident()
         self._moving.pop(me, None)

@@ -64,7 +64,7 @@ def tensor_digest(arrays: dict) -> str:
 
     Why: a header check catches truncation, not flipped bytes inside the data, and damaged
     keys silently change answers (and get copied into newer entries). blake2b from the
-    standard library runs at ~700 MiB/s here, a few ms per MiB of entry.
+    standard library costs a few ms per MiB of entry (docs/benchmarks.md).
     """
     import numpy as np
 
