@@ -15,7 +15,6 @@ the reference reused; or if one start-up line says why kvplugin does not serve i
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +22,7 @@ from typing import Any, Callable
 import harness
 from allpairspy import AllPairs
 
+from kvplugin.tools.client import at_once
 from kvplugin.tools.models.corpus import CORPUS
 
 SYSTEM = {"role": "system", "content": " ".join(CORPUS.split()[:260])}  # ~430 tokens
@@ -119,24 +119,11 @@ def phase2(srv: Any, run: Run, history: list, seed: int | None) -> None:
         answer, reused = _ask(srv, messages, seed)
         run.answers.append(answer)
         run.reused.append(reused)
-    got: dict[str, tuple[str, int]] = {}
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(2)
+    def one(who: str) -> Any:
+        return lambda barrier: (barrier.wait(timeout=60), _ask(
+            srv, [SYSTEM, {"role": "user", "content": QUESTIONS[who][0]}], seed))[1]
 
-    def one(who: str) -> None:
-        try:
-            barrier.wait(timeout=60)
-            got[who] = _ask(srv, [SYSTEM, {"role": "user", "content": QUESTIONS[who][0]}], seed)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(w,)) for w in "CD"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    if errors:
-        raise errors[0]
+    got = dict(zip("CD", at_once(one("C"), one("D"))))
     for who in "CD":
         run.answers.append(got[who][0])
         run.reused.append(got[who][1])

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from kvplugin.tools import hostproc
 from kvplugin.tools.hostproc import ServerProcess
 
-__all__ = ["STATS_PATH", "Reply", "stream_chat", "timed_chat", "get_stats"]
+__all__ = ["STATS_PATH", "Reply", "at_once", "stream_chat", "timed_chat", "get_stats"]
 
 STATS_PATH = "/kvplugin/stats"
 
@@ -133,3 +133,31 @@ def get_stats(srv: ServerProcess) -> dict[str, Any] | None:
     if status != 200 or not isinstance(body, dict) or body.get("active") is False:
         return None
     return body
+
+
+def at_once(*calls: Any, timeout: float = 300.0) -> list:
+    """Run each ``call(barrier)`` in its own thread, together (each may wait on the shared
+    ``threading.Barrier`` so their requests meet the server at once); their results in order,
+    or the first error raised again. Why: a concurrency check must fail, not hang, when one
+    side dies."""
+    import threading
+
+    barrier = threading.Barrier(len(calls))
+    results: list = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i](barrier)
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    if errors:
+        raise errors[0]
+    return results

@@ -18,12 +18,11 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Sequence
 
 from kvplugin.tools import hostcmd, hostproc
-from kvplugin.tools.client import stream_chat
+from kvplugin.tools.client import at_once, stream_chat
 from kvplugin.tools.models.corpus import CORPUS
 
 SYSTEM = " ".join(CORPUS.split()[:500])  # ~800 tokens: past the 128-token windows
@@ -52,23 +51,7 @@ def workload(srv: Any) -> dict:
     """Conversation 0 (3 turns), then 1 and 2 concurrently (2 turns each), then 3 (2 turns)."""
     out: dict = {}
     conversation(srv, 0, 3, out)
-    barrier = threading.Barrier(2)
-    errors: list[BaseException] = []
-
-    def run(who: int) -> None:
-        try:
-            conversation(srv, who, 2, out, barrier)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    if errors:
-        raise errors[0]
+    at_once(*(lambda barrier, w=w: conversation(srv, w, 2, out, barrier) for w in (1, 2)))
     conversation(srv, 3, 2, out)
     return out
 
