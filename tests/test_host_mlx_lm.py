@@ -18,6 +18,7 @@ from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.service.service import KVService
 from kvplugin import plugins
 from kvplugin.hosts import mlx_lm as host
+from kvplugin.hosts.mlx_lm.adapter import _StartupError
 from kvplugin.settings import resolve_settings
 
 mlx_lm_server = importlib.import_module("mlx_lm.server")
@@ -117,6 +118,15 @@ def test_install_patches_every_seam_and_uninstall_restores_identity(adapter):
     assert not hasattr(gen_mod, "make_prompt_cache") or (
         gen_mod.make_prompt_cache is cache_mod.make_prompt_cache
     )
+
+
+def test_every_patch_is_marked_with_its_original(adapter):
+    from patches import unmarked
+
+    assert adapter.install(mlx_lm_server)
+    adapter.settings = _settings(kv_cache_step=1024, max_kv_size=4096)
+    adapter.create_service(max_bytes=None, max_entries=None)
+    assert len(adapter.registry) > 20 and unmarked(adapter.registry) == []
 
 
 def test_unsupported_version_runs_stock(adapter, monkeypatch, capsys):
@@ -322,17 +332,21 @@ def test_make_prompt_cache_wrapper(adapter):
     assert all(isinstance(c, RotatingKVCache) for c in bounded)  # mergeable: still batchable
 
 
-def test_warning_for_layers_that_cannot_be_bounded(adapter, capsys):
+def test_the_service_says_which_layers_cannot_be_bounded(adapter, capsys):
     from kvplugin import log
 
     log.forget()
-    adapter._cache_mod = cache_mod
-    settings = _settings(max_kv_size=16)
     model = types.SimpleNamespace()
-    adapter._warn_unbounded(model, [cache_mod.ChunkedKVCache(8), RotatingKVCache(16)], settings)
+    wrapped = adapter._wrap_make_prompt_cache(
+        lambda model: [cache_mod.ChunkedKVCache(8), RotatingKVCache(16)])
+    adapter._cache_mod = cache_mod
+    adapter.settings = _settings(max_kv_size=16)
+    adapter.create_service(max_bytes=None, max_entries=None)
+    capsys.readouterr()
+    wrapped(model)
     err = capsys.readouterr().err
     assert "--max-kv-size 16: 1 of 2 cache layers" in err and "ChunkedKVCache x1" in err
-    adapter._warn_unbounded(model, [cache_mod.ChunkedKVCache(8)], settings)
+    wrapped(model)
     assert capsys.readouterr().err == ""  # once per model
 
 
@@ -369,7 +383,7 @@ def test_load_wrapper_unloads_and_raises(adapter):
 
     load = adapter._wrap_load(Provider._load)
     p = Provider()
-    with pytest.raises(host._StartupError, match="head dimension 64"):
+    with pytest.raises(_StartupError, match="head dimension 64"):
         load(p, "path")
     assert p.model is None and p.model_key is None
     default = adapter._wrap_load_default(lambda provider: load(provider, "path"))

@@ -366,6 +366,9 @@ def test_serving_patches_every_seam_and_uninstall_restores_everything(adapter, f
          "--kv-cache-step", "128", "--cache-memory-mb", "32"])
     assert f.cli.serve_command(args) == "served"
     assert adapter.serving_installed
+    from patches import unmarked
+
+    assert unmarked(adapter.registry) == [] == unmarked(adapter.serving)
     during = _owned(*seams)
     changed = {k for k in before if before[k] is not during[k]}
     assert changed == set(before)  # every seam replaced (or added)

@@ -107,6 +107,7 @@ def test_installed_metadata_has_the_entry_points():
 @pytest.mark.parametrize("decl", BUILTIN_HOSTS, ids=lambda d: d.name)
 def test_adapters_take_their_identity_from_the_declaration(decl):
     adapter = hosts.get_adapter(decl.name)
+    assert type(adapter).declaration is decl  # built from it: class X(HostAdapter, declaration=)
     assert adapter.name == decl.name
     assert adapter.distribution == decl.distribution
     assert adapter.trigger_module == decl.trigger_module

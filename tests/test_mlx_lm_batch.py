@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
-from kvplugin.hosts.mlx_lm_batch import adopting_merge
+from kvplugin.hosts.mlx_lm.batch import adopting_merge
 
 ORIGINAL = vars(BatchKVCache)["merge"].__func__
 MERGE = adopting_merge(ORIGINAL, KVCache).__get__(None, BatchKVCache)
@@ -83,7 +83,7 @@ def test_rotating_cache_is_not_adopted():
     r = RotatingKVCache(max_size=16)
     k = mx.ones((1, 2, 4, 8))
     r.update_and_fetch(k, k)
-    from kvplugin.hosts.mlx_lm_batch import _adoptable
+    from kvplugin.hosts.mlx_lm.batch import _adoptable
 
     assert not _adoptable(r, KVCache)
     assert _adoptable(filled(3), KVCache)
@@ -93,7 +93,7 @@ def test_rotating_cache_is_not_adopted():
 
 import copy  # noqa: E402
 
-from kvplugin.hosts.mlx_lm_batch import adopting_extract, whole_batch_filter  # noqa: E402
+from kvplugin.hosts.mlx_lm.batch import adopting_extract, whole_batch_filter  # noqa: E402
 
 FILTER = whole_batch_filter(vars(BatchKVCache)["filter"])
 EXTRACT = adopting_extract(vars(BatchKVCache)["extract"], KVCache)

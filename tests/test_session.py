@@ -301,11 +301,55 @@ def test_persistence_tier_refuses_puts_while_serving(pm, tmp_path):
     assert s.persist(directory) is True and s.stats()["store_spills"] == 1
 
 
-def test_batch_steps():
+def test_batch_plan():
     pm = plugins.create_plugin_manager(load_entry_points=False)
-    assert session(pm).batch_steps() == {}
-    assert session(pm, kv_cache_step=512, max_kv_size=128).batch_steps() == {
-        "BatchKVCache": 512, "BatchRotatingKVCache": 128}
+    plain = session(pm).batch_plan()
+    assert plain.steps == {} and plain.bound is None
+    plan = session(pm, kv_cache_step=512, max_kv_size=128).batch_plan()
+    assert plan.steps == {"BatchKVCache": 512, "BatchRotatingKVCache": 128}
+    assert plan.bound == 128
+    assert session(pm, kv_cache_step=64).batch_plan().bound is None
+
+
+def test_make_cache_says_once_per_model_which_layers_it_cannot_reach(pm, capsys):
+    from types import SimpleNamespace
+
+    from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
+
+    from kvplugin import log
+
+    log.forget()
+    bounded, model = session(pm, max_kv_size=16), SimpleNamespace()
+    out = bounded.make_cache(model, [ChunkedKVCache(8), RotatingKVCache(16)])
+    assert type(out[1]) is PreallocatedRotatingKVCache
+    err = capsys.readouterr().err
+    assert "--max-kv-size 16: 1 of 2 cache layers" in err and "ChunkedKVCache x1" in err
+    bounded.make_cache(model, [ChunkedKVCache(8)])
+    assert capsys.readouterr().err == ""  # once per model
+    bounded.make_cache(SimpleNamespace(), [KVCache(), KVCache()])
+    assert capsys.readouterr().err == ""  # every layer bounded: nothing to say
+    session(pm, kv_cache_step=64).make_cache(model, [ChunkedKVCache(8), KVCache()])
+    err = capsys.readouterr().err
+    assert "--kv-cache-step 64 applies to KVCache layers only; ChunkedKVCache layers" in err
+
+
+def test_the_front_desk_answers_for_the_store_and_admission(pm):
+    s = KVService(resolve_settings({"max_memory": "off"}), host="test", hook=pm.hook,
+                  max_bytes=1 << 30)
+    assert (s.entries_held, s.bytes_held, s.budget_bytes) == (0, 0, 1 << 30)
+    for i in range(3):
+        assert s.give_back("m", [100 + i] + list(range(15)), filled(16))
+    assert s.entries_held == 3 and s.bytes_held == s.store_stats().bytes > 0
+    s.trim_to(n_entries=1)
+    assert s.entries_held == 1 and s.store_stats().evictions == 2
+    s.drop_all()
+    assert (s.entries_held, s.bytes_held) == (0, 0)
+    assert not s.admission_on
+    assert s.admit(1, None, prompt_tokens=10, max_tokens=1, prefill_chunk=8) is None
+    assert session(pm, max_memory="auto").admission_on
+    assert s.live_quantization is None
+    s.learn_live_quantization(8, 32, 0)
+    assert s.live_quantization == (8, 32, 0)
 
 
 def test_host_option_conflicts():

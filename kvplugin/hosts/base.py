@@ -120,12 +120,25 @@ def installed_version(distribution: str) -> Version | None:
 
 
 class HostAdapter:
-    """Base class: subclasses set the class attributes and implement :meth:`apply`."""
+    """Base class: subclasses implement :meth:`apply` and name their host once, as
+    ``class MyAdapter(HostAdapter, declaration=MY_HOST)`` (a
+    :class:`~kvplugin.hostspecs.HostDeclaration`), or set the class attributes themselves."""
 
     name: ClassVar[str]  # "mlx-lm"
     distribution: ClassVar[str]  # PyPI distribution name
     supported: ClassVar[SpecifierSet]  # proven by the tox matrix
     trigger_module: ClassVar[str]  # the module whose import installs the adapter
+    declaration: ClassVar[Any] = None  # the HostDeclaration these were taken from
+
+    def __init_subclass__(cls, declaration: Any = None, **kwargs: Any) -> None:
+        """Take the host's identity from its declaration (:mod:`kvplugin.hostspecs`)."""
+        super().__init_subclass__(**kwargs)
+        if declaration is not None:
+            cls.declaration = declaration
+            cls.name = declaration.name
+            cls.distribution = declaration.distribution
+            cls.trigger_module = declaration.trigger_module
+            cls.supported = SpecifierSet(declaration.supported)
 
     def __init__(self) -> None:
         self.registry = PatchRegistry()

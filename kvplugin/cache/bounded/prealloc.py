@@ -36,15 +36,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
-from mlx_lm.models.cache import (
-    ArraysCache,
-    BatchRotatingKVCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-)
+from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from kvplugin.cache.bounded.keep_batch import KeepingBatchRotatingKVCache
+from kvplugin.cache.bounded.reach import STEPPED, unbounded_kinds
 
 __all__ = [
     "PreallocatedRotatingKVCache",
@@ -398,7 +393,7 @@ def apply_growth_step(cache: list, step: int) -> list:
     """
     step = _check_step(step)
     for layer in cache:
-        if type(layer) in (KVCache, QuantizedKVCache):
+        if type(layer) in STEPPED:
             layer.step = step
     return cache
 
@@ -419,14 +414,13 @@ def bound_cache(cache: list, max_kv_size: int, keep: int = 4) -> tuple[list, int
       counted.
 
     Returns ``(new_list, n_unbounded)`` where ``n_unbounded`` counts layers whose memory can
-    still grow beyond ``max_kv_size`` tokens, so the host can warn.
+    still grow beyond ``max_kv_size`` tokens (:func:`~kvplugin.cache.bounded.reach.unbounded_kinds`).
     """
     if isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size < 1:
         raise ValueError(f"max_kv_size must be a positive integer, got {max_kv_size!r}")
     if not 0 <= keep < max_kv_size:
         raise ValueError(f"keep must be in [0, max_kv_size), got {keep!r}")
     out: list = []
-    unbounded = 0
     n = len(cache)
     for i, layer in enumerate(cache):
         t = type(layer)
@@ -436,14 +430,9 @@ def bound_cache(cache: list, max_kv_size: int, keep: int = 4) -> tuple[list, int
             size = min(layer.max_size, max_kv_size)
             out.append(PreallocatedRotatingKVCache(size, min(layer.keep, size - 1), index=i,
                                                    layers=n))
-        elif isinstance(layer, RotatingKVCache) and layer.max_size <= max_kv_size:
-            out.append(layer)
-        elif isinstance(layer, ArraysCache):
-            out.append(layer)
         else:
             out.append(layer)
-            unbounded += 1
-    return out, unbounded
+    return out, sum(unbounded_kinds(out, max_kv_size).values())
 
 
 def rewind_decode(cache: list) -> int:

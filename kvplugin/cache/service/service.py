@@ -11,7 +11,9 @@ and applies the answer in the host's own terms. What is decided here, once for e
 * persistence across restarts (:meth:`~KVService.persist`, :meth:`~KVService.reload`),
   through the same backend hook, on the host's directory;
 * what an entry is keyed by, trimmed and quantized to (:meth:`~KVService.give_back`);
-* batch growth steps (:meth:`~KVService.batch_steps`);
+* how fresh caches are shaped (:meth:`~KVService.make_cache`, which also says once per model
+  which layers its settings cannot reach) and the batch plan (:meth:`~KVService.batch_plan`);
+* what a host may read and do to the store and admission (:mod:`.holdings`);
 * (the start-up checks hosts run before a session exists live in
   :mod:`kvplugin.cache.service.startup_checks`);
 * the one ``active`` line (:meth:`~KVService.active_line`) and the report/stats.
@@ -32,12 +34,13 @@ from kvplugin.cache.bounded.prealloc import rewind_decode
 from kvplugin.cache.memory.admission import AdmissionControl
 from kvplugin.cache.store.prompts import RecentPrompts
 from kvplugin.cache.store.prompt_store import PromptStore
+from kvplugin.cache.service.holdings import Holdings
 from kvplugin.cache.service.persist import Persistence
 from kvplugin.cache.service.report import Reporting
 from kvplugin.cache.service.fit import ModelChecker
 from kvplugin.settings import KVPluginSettings
 
-__all__ = ["Counters", "KVService", "store_key"]
+__all__ = ["BatchPlan", "Counters", "KVService", "store_key"]
 
 log = logging.getLogger("kvplugin")
 
@@ -65,6 +68,15 @@ class Counters:
         return self.bytes_before - self.bytes_stored
 
 
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a host's batched path runs: the class ``step`` of each batch cache (by class name)
+    and the bound every fresh per-request cache gets (None: not bounded)."""
+
+    steps: dict[str, int]
+    bound: int | None
+
+
 def _entry_codec(entry: list) -> str:
     """``"full"`` for an entry stored at full precision, else its layers' codec names
     (``rotated-k4v4``; several joined by ``+`` when layers differ)."""
@@ -87,7 +99,7 @@ def _configure_once(hook: Any, settings: KVPluginSettings, host: str) -> bool:
     return True
 
 
-class KVService(Persistence, Reporting):
+class KVService(Holdings, Persistence, Reporting):
     """Settings + hooks + store for one host process; every policy decision lives here."""
 
     def __init__(
@@ -110,6 +122,7 @@ class KVService(Persistence, Reporting):
         self._rejected_by_kind: dict[str, int] = {}
         self._checker = ModelChecker()
         self._bytes_by_codec: dict[str, int] = {}
+        self._shaped_models: set[int] = set()  # models whose first fresh cache was described
         cold = None if settings.hot_cache_only else hook.kvplugin_store_backend(settings=settings)
         self.store = PromptStore(
             max_bytes=max_bytes if max_bytes is not None else _UNLIMITED,
@@ -143,13 +156,24 @@ class KVService(Persistence, Reporting):
 
     # -- cache construction -------------------------------------------------------------
     def make_cache(self, model: Any, cache: list) -> list:
-        """The host just built a fresh per-request cache: bound / re-step it."""
+        """The host just built a fresh per-request cache: bound / re-step it, and say once per
+        model which of its layers ``--max-kv-size`` / ``--kv-cache-step`` cannot reach."""
         shaped = self.hook.kvplugin_make_cache(model=model, cache=cache, settings=self.settings)
         with self._lock:
             self.counters.caches_made += 1
             if shaped is not None and self.settings.max_kv_size is not None:
                 self.counters.caches_bounded += 1
-        return cache if shaped is None else shaped
+            first = id(model) not in self._shaped_models
+            self._shaped_models.add(id(model))
+        result = cache if shaped is None else shaped
+        if first:
+            from kvplugin.cache.bounded.reach import reach_notice
+            from kvplugin.log import say
+
+            line = reach_notice(self.settings, model, result)
+            if line is not None:
+                say(line, key=f"{self.host}:{id(model)}:{line}")
+        return result
 
     def learn_model(self, model: Any, fresh_cache: list, *, serving_thread: bool = False) -> None:
         """A host loaded ``model``: admission control probes its memory per token, with a
@@ -167,19 +191,21 @@ class KVService(Persistence, Reporting):
                                                settings=self.settings)
         self.admission.learn_model(model, fresh_cache if shaped is None else shaped)
 
-    def batch_steps(self) -> dict[str, int]:
-        """Class ``step`` of mlx-lm's batch caches, by class name (a host sets them).
+    def batch_plan(self) -> BatchPlan:
+        """How a host's batched path runs (a host applies it in its own terms).
 
         Batched paths merge every request into ``BatchKVCache`` / ``BatchRotatingKVCache``,
         which grow by their class ``step``: ``--kv-cache-step`` carries over, and a bounded
         cache grows to the bound in one step (never beyond: ``min(step, max_size - prev)``).
+        Under ``--max-kv-size`` every fresh cache of the batch is :meth:`make_cache`'s.
         """
         steps: dict[str, int] = {}
         if self.settings.kv_cache_step is not None:
             steps["BatchKVCache"] = int(self.settings.kv_cache_step)
-        if self.settings.max_kv_size is not None:
-            steps["BatchRotatingKVCache"] = int(self.settings.max_kv_size)
-        return steps
+        bound = self.settings.max_kv_size
+        if bound is not None:
+            steps["BatchRotatingKVCache"] = int(bound)
+        return BatchPlan(steps, None if bound is None else int(bound))
 
     # -- storing ----------------------------------------------------------------------------
     def prepare_entry(self, cache: list, num_tokens: int,
@@ -402,7 +428,7 @@ class KVService(Persistence, Reporting):
         return False
 
     #: ``(bits, group_size, start)`` of the host's quantized live caches (mlx-lm
-    #: ``--kv-bits``), set by the host adapter; None: the host runs full-precision caches.
+    #: ``--kv-bits``, :meth:`learn_live_quantization`); None: full-precision live caches.
     live_quantization: tuple[int, int, int] | None = None
 
     def dequantize(self, cache: list) -> list:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -36,12 +35,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
-
-from kvplugin.hosts.base import HostAdapter, PatchRegistry, fail_start, require_attrs
+from kvplugin.hosts.base import (
+    HostAdapter,
+    PatchRegistry,
+    config_of,
+    fail_start,
+    require_attrs,
+    wraps_original,
+)
 from kvplugin.hosts.vllm_mlx import admission, batching, metrics, salt, simple
 from kvplugin.hosts.vllm_mlx.runtime import Runtime
-from kvplugin.hosts.base import config_of
 from kvplugin.hosts.vllm_mlx.startup import announce
 from kvplugin.hostspecs import VLLM_MLX
 from kvplugin.log import say
@@ -87,10 +90,8 @@ def serve_subparser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser 
     return None
 
 
-class VllmMlxAdapter(HostAdapter):
-    name, distribution, trigger_module = (VLLM_MLX.name, VLLM_MLX.distribution,
-                                          VLLM_MLX.trigger_module)
-    supported = SpecifierSet(VLLM_MLX.supported)
+class VllmMlxAdapter(HostAdapter, declaration=VLLM_MLX):
+    """``vllm-mlx serve`` backed by kvplugin's engine (:data:`~kvplugin.hostspecs.VLLM_MLX`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -160,7 +161,7 @@ class VllmMlxAdapter(HostAdapter):
     def wrap_create_parser(self, original: Callable) -> Callable:
         adapter = self
 
-        @functools.wraps(original)
+        @wraps_original(original)
         def create_parser(*a, **kw):
             parser = original(*a, **kw)
             serve = serve_subparser(parser)
@@ -171,18 +172,16 @@ class VllmMlxAdapter(HostAdapter):
                 adapter.serve_parser = serve
             return parser
 
-        create_parser.__kvplugin_original__ = original  # type: ignore[attr-defined]
         return create_parser
 
     def wrap_serve_command(self, original: Callable) -> Callable:
         adapter = self
 
-        @functools.wraps(original)
+        @wraps_original(original)
         def serve_command(args):
             adapter.start_serving(args)
             return original(args)
 
-        serve_command.__kvplugin_original__ = original  # type: ignore[attr-defined]
         return serve_command
 
     def resolve(self, args: argparse.Namespace) -> Any:
@@ -206,9 +205,9 @@ class VllmMlxAdapter(HostAdapter):
         rt.settings = settings
         rt.model_id = getattr(args, "model", None)
         rt.mode = "batching" if getattr(args, "continuous_batching", False) else "simple"
-        self.early_model_check(args, settings)
+        self.early_model_check(args)
         if self.install_serving(args, settings):
-            announce(self, args, settings)
+            announce(self, args)
             return
         from kvplugin.cache.service.startup_checks import unpatched_problem  # lazy: mlx loads with the engine
 
@@ -227,11 +226,8 @@ class VllmMlxAdapter(HostAdapter):
             fail_start(problem, hard=hard)
         rt.group_size_checked = True
 
-    def early_model_check(self, args: argparse.Namespace, settings: Any) -> None:
+    def early_model_check(self, args: argparse.Namespace) -> None:
         """Before any weight loads: the check from ``config.json`` when the path is known."""
-        if not settings.kv_cache_quantization:
-            self.runtime.group_size_checked = True
-            return
         config = config_of(getattr(args, "model", None))
         if config is not None:
             self.check_model({"args": config})
@@ -330,7 +326,7 @@ class VllmMlxAdapter(HostAdapter):
     def wrap_load_model(self, original: Callable) -> Callable:
         adapter = self
 
-        @functools.wraps(original)
+        @wraps_original(original)
         def load_model(*args, **kwargs):
             if not adapter.runtime.group_size_checked and adapter.runtime.settings is not None:
                 path = (kwargs.get("model_path") or kwargs.get("model_name")

@@ -18,10 +18,9 @@ generation before its prefix is fetched and finishes it when the generation ends
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from kvplugin.hosts.base import PatchRegistry, require_attrs
+from kvplugin.hosts.base import PatchRegistry, require_attrs, wraps_original
 
 __all__ = ["admit_or_raise", "check_seams", "install"]
 
@@ -32,7 +31,7 @@ def admit_or_raise(service: Any, key: Any, model: Any, *, prompt_tokens: int, ma
     from kvplugin.cache.memory.footprint import AdmissionRefused
 
     try:
-        service.admission.admit(key, model, prompt_tokens=prompt_tokens,
+        service.admit(key, model, prompt_tokens=prompt_tokens,
                                 max_tokens=int(max_tokens or 0), prefill_chunk=prefill_chunk,
                                 batched=batched)
     except AdmissionRefused as exc:
@@ -58,10 +57,10 @@ def install(patches: PatchRegistry, adapter: Any, scheduler: Any) -> None:
 
 
 def _wrap_add_request(original: Any, adapter: Any) -> Any:
-    @functools.wraps(original)
+    @wraps_original(original)
     def add_request(self, request, *args: Any, **kwargs: Any) -> Any:
         service = adapter.runtime.service
-        if service is not None and service.admission.ledger is not None:
+        if service is not None and service.admission_on:
             if request.prompt_token_ids is None and isinstance(request.prompt, str) \
                     and hasattr(self.tokenizer, "encode"):
                 request.prompt_token_ids = self.tokenizer.encode(request.prompt)
@@ -86,7 +85,7 @@ def _finish(adapter: Any, request_ids: Any) -> None:
 
 
 def _wrap_cleanup(original: Any, adapter: Any) -> Any:
-    @functools.wraps(original)
+    @wraps_original(original)
     def _cleanup_finished(self, finished_ids, *args: Any, **kwargs: Any) -> Any:
         try:
             return original(self, finished_ids, *args, **kwargs)
@@ -97,7 +96,7 @@ def _wrap_cleanup(original: Any, adapter: Any) -> Any:
 
 
 def _wrap_abort(original: Any, adapter: Any) -> Any:
-    @functools.wraps(original)
+    @wraps_original(original)
     def abort_request(self, request_id, *args: Any, **kwargs: Any) -> Any:
         try:
             return original(self, request_id, *args, **kwargs)

@@ -20,11 +20,10 @@ persistence (``--hot-cache-only``), ``BatchedEngine``'s save/load are no-ops.
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any
 
-from kvplugin.hosts.base import PatchRegistry, require_attrs
+from kvplugin.hosts.base import PatchRegistry, require_attrs, wraps_original
 from kvplugin.hosts.vllm_mlx.salt import UNKNOWN, owner_salt, request_salt
 from kvplugin.log import say
 
@@ -54,21 +53,19 @@ def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: 
     sched = scheduler.Scheduler
     patches.replace(sched, "ensure_ssd_tier", wrap_ensure_ssd_tier(sched.ensure_ssd_tier))
     if rt.mode == "batching":  # the batch caches every request is merged into
-        for name, step in rt.service.batch_steps().items():
+        plan = rt.service.batch_plan()
+        for name, step in plan.steps.items():
             patches.replace(getattr(mlc, name), "step", step)
         install_batch_of_one(patches, mlc)
-        if rt.service.settings.max_kv_size is not None:
+        if plan.bound is not None:
             install_bound(patches, rt.service, sched, mlc)
     if not rt.service.may_persist():
         be = batched.BatchedEngine
-        patches.replace(be, "save_cache_to_disk", _no_save)
-        patches.replace(be, "load_cache_from_disk", _no_load)
-        for name, fn in (
-            ("_save_cache_to_disk_on_owner", _no_save_async),
-            ("_load_cache_from_disk_on_owner", _no_load_async),
-        ):
-            if hasattr(be, name):
-                patches.replace(be, name, fn)
+        for name, result in (("save_cache_to_disk", False), ("load_cache_from_disk", 0),
+                             ("_save_cache_to_disk_on_owner", False),
+                             ("_load_cache_from_disk_on_owner", 0)):
+            if hasattr(be, name):  # the last two: the async forms of newer releases
+                patches.replace(be, name, refusing(getattr(be, name), result))
 
 
 def install_bound(patches: PatchRegistry, service: Any, sched: type, mlc: Any) -> None:
@@ -86,21 +83,24 @@ def install_bound(patches: PatchRegistry, service: Any, sched: type, mlc: Any) -
     def fresh(model: Any) -> list:
         return service.make_cache(model, mlc.make_prompt_cache(model))
 
-    def _bound_cache_layers(self: Any, cache: Any, max_kv_size: int) -> Any:
-        return fresh(self.model)
+    require_attrs(gen.BatchGenerator, "_make_new_cache")
+    if hasattr(sched, "_bound_cache_layers"):
+        @wraps_original(sched._bound_cache_layers)
+        def _bound_cache_layers(self: Any, cache: Any, max_kv_size: int) -> Any:
+            return fresh(self.model)
 
+        patches.replace(sched, "_bound_cache_layers", _bound_cache_layers)
+
+    @wraps_original(gen.BatchGenerator._make_new_cache)
     def _make_new_cache(self: Any) -> list:
         return fresh(self.model)
 
-    if hasattr(sched, "_bound_cache_layers"):
-        patches.replace(sched, "_bound_cache_layers", _bound_cache_layers)
-    require_attrs(gen.BatchGenerator, "_make_new_cache")
     patches.replace(gen.BatchGenerator, "_make_new_cache", _make_new_cache)
 
 
 def install_batch_of_one(patches: PatchRegistry, mlc: Any) -> None:
     """``BatchKVCache`` merge/filter/extract without their whole-cache copies for one row."""
-    from kvplugin.hosts.mlx_lm_batch import adopting_extract, adopting_merge, whole_batch_filter
+    from kvplugin.hosts.mlx_lm.batch import adopting_extract, adopting_merge, whole_batch_filter
 
     cls = mlc.BatchKVCache
     own = vars(cls)
@@ -175,8 +175,7 @@ class KVPrefixCache:
         self._scheduler: Any = None  # weakref to the scheduler (salt.owner_salt reads it)
         self._memory_lock = threading.RLock()
         self._rejections = 0
-        if rt.settings is not None and rt.settings.kv_cache_quantization:
-            self._adapter.check_model(model, hard=True)
+        self._adapter.check_model(model, hard=True)
         from mlx_lm.models.cache import make_prompt_cache
 
         self._service.learn_model(model, make_prompt_cache(model))
@@ -188,14 +187,14 @@ class KVPrefixCache:
 
     @property
     def _current_memory(self) -> int:
-        return self._service.store.nbytes
+        return self._service.bytes_held
 
     @property
     def _max_memory(self) -> int:
-        return self._service.store.max_bytes
+        return self._service.budget_bytes
 
     def __len__(self) -> int:
-        return len(self._service.store)
+        return self._service.entries_held
 
     def __contains__(self, tokens: Any) -> bool:
         return False  # the store has no lookup without taking the entry
@@ -274,13 +273,13 @@ class KVPrefixCache:
         return False  # fetched entries are already out of the store; others expire by LRU
 
     def clear(self) -> None:
-        self._service.store.drop_all()  # drop, don't spill
+        self._service.drop_all()  # drop, don't spill
 
     # -- stats -------------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:
-        s = self._service.store.stats()
+        s = self._service.store_stats()
         total = s.hits + s.misses
-        limit = self._service.store.max_bytes
+        limit = self._service.budget_bytes
         return {
             "hits": s.hits,
             "misses": s.misses,
@@ -300,11 +299,11 @@ class KVPrefixCache:
 
     @property
     def memory_usage_mb(self) -> float:
-        return self._service.store.nbytes / _MB
+        return self._service.bytes_held / _MB
 
     @property
     def memory_limit_mb(self) -> float:
-        return self._service.store.max_bytes / _MB
+        return self._service.budget_bytes / _MB
 
     # -- the host's SSD tier is not used (kvplugin's cold tier is) ----------------------
     def try_reserve_memory(self, nbytes: int) -> bool:
@@ -355,7 +354,7 @@ def detach_shared_layers(entry: list, source: list, memory_cache: Any) -> list:
 
 
 def wrap_ensure_ssd_tier(original: Any) -> Any:
-    @functools.wraps(original)
+    @wraps_original(original)
     def ensure_ssd_tier(self, *args, **kwargs):
         if getattr(getattr(self, "memory_aware_cache", None), "kvplugin", False):
             return None  # kvplugin's store has its own cold tier (--ssd-cache-dir)
@@ -367,17 +366,20 @@ def wrap_ensure_ssd_tier(original: Any) -> Any:
 # -- BatchedEngine's save/load when the session allows no persistence (--hot-cache-only) ---
 
 
-def _no_save(self: Any, cache_dir: str) -> bool:
-    return False
+def refusing(original: Any, result: Any) -> Any:
+    """``original`` (a save or load of ``BatchedEngine``, plain or async) doing nothing and
+    answering ``result`` (nothing saved / loaded)."""
+    import inspect
 
+    if inspect.iscoroutinefunction(original):
+        @wraps_original(original)
+        async def refused_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return result
 
-def _no_load(self: Any, cache_dir: str) -> int:
-    return 0
+        return refused_async
 
+    @wraps_original(original)
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return result
 
-async def _no_save_async(self: Any, cache_dir: str) -> bool:
-    return False
-
-
-async def _no_load_async(self: Any, cache_dir: str) -> int:
-    return 0
+    return refused

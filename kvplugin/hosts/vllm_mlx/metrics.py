@@ -11,11 +11,10 @@ Both read the session from the adapter's runtime at request time.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
-from kvplugin.hosts.base import STATS_PATH, PatchRegistry, require_attrs
+from kvplugin.hosts.base import STATS_PATH, PatchRegistry, require_attrs, wraps_original
 from kvplugin.log import say
 from kvplugin.metrics import COUNTERS, GAUGES, KVCollector, families  # noqa: F401  (shared)
 
@@ -69,7 +68,7 @@ def unregister_collectors(runtime: Any) -> None:
 
 
 def wrap_init_prometheus(original: Callable, adapter: Any) -> Callable:
-    @functools.wraps(original)
+    @wraps_original(original)
     def _init_prometheus(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         try:

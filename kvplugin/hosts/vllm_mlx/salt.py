@@ -20,13 +20,12 @@ vllm-mlx's request models drop fields they do not know, so the salt is read from
 from __future__ import annotations
 
 import contextvars
-import functools
 import json
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from kvplugin.hosts.base import require_attrs
+from kvplugin.hosts.base import require_attrs, wraps_original
 
 __all__ = ["GENERATION_PATHS", "REQUEST_SALT", "UNKNOWN", "SaltMiddleware", "check_seams",
            "install", "owner_salt", "request_salt"]
@@ -133,7 +132,7 @@ def middleware(adapter: Any) -> Any:
 
 
 def _wrap_submit(original: Any) -> Any:
-    @functools.wraps(original)
+    @wraps_original(original)
     async def _submit_to_generation_worker(self, worker, fn, *args: Any, **kwargs: Any) -> Any:
         salt = REQUEST_SALT.get()
 
@@ -150,7 +149,7 @@ def _wrap_submit(original: Any) -> Any:
 
 
 def _wrap_request_init(original: Any) -> Any:
-    @functools.wraps(original)
+    @wraps_original(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         setattr(self, _ATTR, REQUEST_SALT.get())
@@ -159,7 +158,7 @@ def _wrap_request_init(original: Any) -> Any:
 
 
 def _wrap_add_request(original: Any) -> Any:
-    @functools.wraps(original)
+    @wraps_original(original)
     def add_request(self, request, *args: Any, **kwargs: Any) -> Any:
         cache = getattr(self, "memory_aware_cache", None)
         if getattr(cache, "kvplugin", False):

@@ -16,12 +16,11 @@ Nothing here imports vllm-mlx or mlx at import time; the wrappers read the adapt
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvplugin.hosts.base import PatchRegistry, require_attrs
+from kvplugin.hosts.base import PatchRegistry, require_attrs, wraps_original
 from kvplugin.hosts.vllm_mlx.admission import admit_or_raise
 from kvplugin.hosts.vllm_mlx.salt import request_salt
 from kvplugin.log import say
@@ -52,7 +51,12 @@ def install(patches: PatchRegistry, adapter: Any, mlx_lm: Any, gen_mod: Any, sim
     patches.replace(gen_mod, "stream_generate", wrapped)
     if mlx_lm.stream_generate is not wrapped:
         patches.replace(mlx_lm, "stream_generate", wrapped)
-    patches.replace(simple, "build_system_prompt_cache_prefix", no_system_prefix_snapshot)
+
+    @wraps_original(simple.build_system_prompt_cache_prefix)
+    def build_system_prompt_cache_prefix(*args: Any, **kwargs: Any) -> None:
+        return no_system_prefix_snapshot(*args, **kwargs)
+
+    patches.replace(simple, "build_system_prompt_cache_prefix", build_system_prompt_cache_prefix)
     se = simple.SimpleEngine
     patches.replace(se, "__init__", wrap_init(se.__init__))
     patches.replace(se, "start", wrap_start(se.start, adapter))
@@ -78,7 +82,7 @@ def no_system_prefix_snapshot(*args: Any, **kwargs: Any) -> None:
 
 
 def wrap_init(original: Callable) -> Callable:
-    @functools.wraps(original)
+    @wraps_original(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if getattr(self, "_is_mllm", False):
@@ -99,7 +103,7 @@ def wrap_start(original: Callable, adapter: Any) -> Callable:
     """After the engine loaded its model: check it, and register it so its generations are
     served from the store under its key."""
 
-    @functools.wraps(original)
+    @wraps_original(original)
     async def start(self, *args, **kwargs):
         result = await original(self, *args, **kwargs)
         rt = adapter.runtime
@@ -121,7 +125,7 @@ def wrap_stop(original: Callable, adapter: Any) -> Callable:
     """After the engine stopped: forget its model; an explicit ``--ssd-cache-dir`` keeps the
     hot entries across a restart (the session decides what that means)."""
 
-    @functools.wraps(original)
+    @wraps_original(original)
     async def stop(self, *args, **kwargs):
         model = engine_model(self)
         try:
@@ -159,7 +163,7 @@ def wrap_stream_generate(original: Callable, adapter: Any) -> Callable:
     of the context) but the result is still stored.
     """
 
-    @functools.wraps(original)
+    @wraps_original(original)
     def stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, **kwargs):
         rt = adapter.runtime
         key = rt.simple_models.get(id(model))
@@ -176,7 +180,6 @@ def wrap_stream_generate(original: Callable, adapter: Any) -> Callable:
             original, service, key, model, tokenizer, prompt, max_tokens, kwargs
         )
 
-    stream_generate.__kvplugin_original__ = original  # type: ignore[attr-defined]
     return stream_generate
 
 

@@ -42,14 +42,14 @@ def simple_not_applied(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def announce(adapter: Any, args: argparse.Namespace, settings: Any) -> None:
+def announce(adapter: Any, args: argparse.Namespace) -> None:
     """The start-up lines once the serving seams are patched."""
     rt = adapter.runtime
     where = unbacked_batching_mode(args) if rt.mode == "batching" else None
     if where is not None:
         hot = (
             "; --hot-cache-only still keeps vllm-mlx from saving its cache to disk"
-            if settings.hot_cache_only
+            if rt.service is not None and not rt.service.may_persist()
             else ""
         )
         say(

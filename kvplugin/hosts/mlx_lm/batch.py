@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from kvplugin.hosts.base import wraps_original
+
 __all__ = ["adopting_extract", "adopting_merge", "whole_batch_filter"]
 
 
@@ -52,6 +54,7 @@ def adopting_merge(original: Callable, kv_cache_cls: type) -> classmethod:
     classmethod through the adapter's patch registry.
     """
 
+    @wraps_original(original)
     def merge(cls: type, caches: list) -> Any:
         if len(caches) != 1 or not _adoptable(caches[0], kv_cache_cls):
             return original(cls, caches)
@@ -66,8 +69,6 @@ def adopting_merge(original: Callable, kv_cache_cls: type) -> classmethod:
         batch._idx = n
         return batch
 
-    merge.__doc__ = adopting_merge.__doc__
-    merge.__kvplugin_original__ = original  # type: ignore[attr-defined]
     return classmethod(merge)
 
 
@@ -87,13 +88,12 @@ def whole_batch_filter(original: Callable) -> Callable:
     ``original`` is the class's own ``filter``; any other selection goes to it unchanged.
     """
 
+    @wraps_original(original)
     def filter(self: Any, batch_indices: Any) -> None:
         if _keeps_every_row(self, batch_indices):
             return original(self, slice(None))
         return original(self, batch_indices)
 
-    filter.__doc__ = whole_batch_filter.__doc__
-    filter.__kvplugin_original__ = original  # type: ignore[attr-defined]
     return filter
 
 
@@ -103,6 +103,7 @@ def adopting_extract(original: Callable, kv_cache_cls: type) -> Callable:
     Several rows (the others go on) or an empty batch take mlx-lm's own ``extract``.
     """
 
+    @wraps_original(original)
     def extract(self: Any, idx: int) -> Any:
         keys = self.keys
         if keys is None or keys.ndim != 4 or keys.shape[0] != 1 or idx != 0:
@@ -117,6 +118,4 @@ def adopting_extract(original: Callable, kv_cache_cls: type) -> Callable:
         cache.offset = n
         return cache
 
-    extract.__doc__ = adopting_extract.__doc__
-    extract.__kvplugin_original__ = original  # type: ignore[attr-defined]
     return extract

@@ -25,7 +25,6 @@ no salts.
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from typing import Any
@@ -144,7 +143,7 @@ def _salts(batch: Any) -> dict:
 
 
 def _wrap_insert_segments(original: Any) -> Any:
-    @functools.wraps(original)
+    @wraps_original(original)
     def insert_segments(batch, *args: Any, **kwargs: Any) -> Any:
         uids = original(batch, *args, **kwargs)
         if getattr(_thread, "serving", False):
@@ -157,7 +156,7 @@ def _wrap_insert_segments(original: Any) -> Any:
 
 
 def _wrap_extract_cache(original: Any) -> Any:
-    @functools.wraps(original)
+    @wraps_original(original)
     def extract_cache(batch, uids, *args: Any, **kwargs: Any) -> Any:
         out = original(batch, uids, *args, **kwargs)
         salts = vars(batch).get("_kvplugin_salts")
@@ -170,7 +169,7 @@ def _wrap_extract_cache(original: Any) -> Any:
 
 
 def _wrap_next(original: Any) -> Any:
-    @functools.wraps(original)
+    @wraps_original(original)
     def next(batch, *args: Any, **kwargs: Any) -> Any:  # noqa: A001  (the host's name)
         out = original(batch, *args, **kwargs)
         salts = vars(batch).get("_kvplugin_salts")

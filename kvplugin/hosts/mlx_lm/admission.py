@@ -52,7 +52,7 @@ def _wrap_tokenize(adapter: Any, original: Any) -> Any:
         result = original(generator, tokenizer, request, args, *rest, **kwargs)
         service = adapter.service
         if service is not None:
-            service.admission.admit(
+            service.admit(
                 id(request), generator.model_provider.model, prompt_tokens=len(result[0]),
                 max_tokens=int(getattr(args, "max_tokens", 0) or 0),
                 prefill_chunk=int(generator.cli_args.prefill_step_size),
