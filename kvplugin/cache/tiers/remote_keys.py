@@ -1,13 +1,22 @@
-"""Key names of the remote tier: a namespace per (checkpoint, entry format), block-chained
-prefix pointers, one value per entry.
+"""Key names of the remote tier and what its pointer keys hold: a namespace per (checkpoint,
+entry format), block-chained pointer sets, one value per entry.
 
-Why block-chained pointers (as LMCache chains its chunk hashes): the longest stored prefix of
-a prompt must be found in a constant number of round trips, not one request per candidate
-length. Every ``block`` tokens of a stored entry get a pointer key whose name is the chained
-hash of the tokens up to there and whose value names the entry. A lookup computes the same
-chain for the prompt and reads every pointer in one ``MGET``; the deepest one that exists
-names an entry sharing at least that many tokens, which a second round trip reads. The entry
-carries its tokens, so the hit then covers every common token, not only whole blocks.
+Why block-chained pointers (as LMCache chains its chunk hashes): the stored entries that share
+a prompt's first tokens must be found in a constant number of round trips, not one request per
+candidate length. Every ``block`` tokens of a stored entry get a pointer key whose name is the
+chained hash of the tokens up to there; a lookup computes the same chain for the prompt and
+reads every pointer in one pipelined round trip.
+
+Why each pointer is a small set of candidates and not one entry's name: one block holds the
+ends of many entries (a system prompt, each conversation's prompt, prompt + reply) and leads
+to the longer ones that pass it; which one serves a prompt best depends on the prompt. So a
+pointer is a sorted set of at most :data:`FAN_OUT` members, newest first, each naming one
+entry with what choosing needs: its length, the fewest tokens it can be cut to (none for
+recurrent state or a wrapped window), its value's size, and its tokens from the pointer up to
+the next block end. From those a reader knows locally, for every candidate, how many tokens it
+shares with the prompt (whose whole key is a prefix of it, or where it diverges) and picks as
+the hot tier does (:func:`kvplugin.cache.index.choose`): the entry that gives the most tokens,
+whole if it can, and reads only that one.
 
 Why not one key per stored chunk (LMCache's layout): kvplugin's entries are whole host caches
 (rotating, recurrent and MLA layers included) whose layers cannot all be cut into chunks and
@@ -17,14 +26,24 @@ glued back; one value per entry keeps every layer kind and codec the SSD tier al
 from __future__ import annotations
 
 import hashlib
+import struct
+import sys
+from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from kvplugin.cache.index import tokens_bytes
 
-__all__ = ["PREFIX", "Namespace", "block_ends", "namespace_of"]
+__all__ = ["FAN_OUT", "PREFIX", "Candidate", "Choice", "Namespace", "choose", "namespace_of"]
 
-#: Every key kvplugin writes starts with this (``redis-cli --scan --pattern 'kvp1:*'``).
-PREFIX = "kvp1"
+#: Every key kvplugin writes starts with this (``redis-cli --scan --pattern 'kvp2:*'``). It
+#: names the layout: a reader of another layout finds nothing under this prefix.
+PREFIX = "kvp2"
+#: Members a pointer set keeps (the newest): bounds what one lookup reads per block.
+FAN_OUT = 8
+
+_DIGEST = 20
+_HEAD = struct.Struct(f"<{_DIGEST}sIiQ")  # entry digest, tokens held, copy floor, value bytes
 
 
 def shared_model_key(model_key: str) -> str:
@@ -38,7 +57,7 @@ def shared_model_key(model_key: str) -> str:
 
 
 def namespace_of(model_key: str, entry_format: str) -> str:
-    """``kvp1:<16 hex>``: entries of other checkpoints, bounds or codec settings never mix."""
+    """``kvp2:<16 hex>``: entries of other checkpoints, bounds or codec settings never mix."""
     h = hashlib.blake2b(digest_size=8)
     h.update(shared_model_key(model_key).encode())
     h.update(b"\0")
@@ -46,9 +65,49 @@ def namespace_of(model_key: str, entry_format: str) -> str:
     return f"{PREFIX}:{h.hexdigest()}"
 
 
-def block_ends(n_tokens: int, block: int) -> range:
-    """Token counts at which pointers exist: ``block, 2*block, ... <= n_tokens``."""
-    return range(block, n_tokens + 1, block)
+def _entry_digest(tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(tokens_bytes(tokens), digest_size=_DIGEST).digest()
+
+
+def _tail_bytes(tokens: Sequence[int]) -> bytes:
+    a = array("I", tokens)  # token ids fit 32 bits; half the bytes of the entry name's int64
+    if sys.byteorder == "big":  # pragma: no cover - every platform MLX runs on is little
+        a.byteswap()
+    return a.tobytes()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One entry a pointer set names."""
+
+    digest: bytes
+    n_tokens: int
+    floor: int | None  # fewest tokens it can be cut to; None: served only whole
+    size: int  # bytes of its value
+
+
+def _unpack(member: bytes, end: int, block: int) -> tuple[Candidate, tuple] | None:
+    """``(candidate, its tokens from end)`` of a member listed at ``end``; None when the
+    member is not one this layout writes."""
+    if len(member) < _HEAD.size or (len(member) - _HEAD.size) % 4:
+        return None
+    digest, n, floor, size = _HEAD.unpack_from(member)
+    tail = array("I", member[_HEAD.size:])
+    if sys.byteorder == "big":  # pragma: no cover
+        tail.byteswap()
+    if len(tail) != min(n, end + block) - end or not -1 <= floor <= n:
+        return None
+    return Candidate(digest, n, None if floor < 1 else floor, size), tuple(tail)
+
+
+@dataclass
+class Choice:
+    """The candidate a lookup reads, how many tokens it serves, where it was listed."""
+
+    candidate: Candidate
+    n: int  # its whole length when ``whole`` (the store trims one token of a full match)
+    whole: bool
+    listed: list[tuple[str, bytes]] = field(default_factory=list)  # (pointer key, member)
 
 
 class Namespace:
@@ -71,7 +130,80 @@ class Namespace:
             out.append((start + self.block, f"{self.name}:p:{chain.hex()}"))
         return out
 
+    def value_key(self, digest: bytes) -> str:
+        return f"{self.name}:e:{digest.hex()}"
+
     def entry_key(self, tokens: Sequence[int]) -> str:
         """The value key of an entry holding exactly ``tokens``."""
-        h = hashlib.blake2b(tokens_bytes(tokens), digest_size=20)
-        return f"{self.name}:e:{h.hexdigest()}"
+        return self.value_key(_entry_digest(tokens))
+
+    def members(self, tokens: Sequence[int], floor: int | None,
+                size: int) -> list[tuple[str, bytes]]:
+        """``(pointer key, member)`` naming the entry of ``tokens`` whose value is ``size``
+        bytes and can be cut to any length from ``floor`` (None: only served whole).
+
+        Whole-only, it is listed at its last block end alone (it serves only prompts that
+        start with all of it); else at every block end from which a cut it allows is reached.
+        """
+        digest = _entry_digest(tokens)
+        n = len(tokens)
+        ends = self.pointer_keys(tokens)
+        if floor is None:
+            ends = ends[-1:]
+        else:
+            ends = [(end, p) for end, p in ends if min(n, end + self.block) >= floor]
+        head = _HEAD.pack(digest, n, -1 if floor is None else floor, size)
+        return [(p, head + _tail_bytes(tokens[end:end + self.block])) for end, p in ends]
+
+
+def _shared(tail: tuple, key: tuple, end: int) -> int:
+    """Tokens from ``end`` on that ``tail`` shares with ``key``."""
+    part = key[end:end + len(tail)]
+    if tail[:len(part)] == part:
+        return len(part)
+    i = 0
+    while tail[i] == part[i]:
+        i += 1
+    return i
+
+
+def choose(key: tuple, listed: list[tuple[int, str, list[bytes]]], block: int, *,
+           have: int = 0, max_bytes: int | None = None) -> tuple[Choice | None, bool]:
+    """The candidate serving the most tokens of ``key`` (more than ``have``), as the hot tier
+    chooses: an entry whose whole key is a prefix of ``key`` is served whole; any other is cut
+    where it diverges (or one token short of ``key``) if it can be cut there. Ties go to a
+    whole entry, then the smaller value, then the newer one.
+
+    ``listed``: ``(end, pointer key, members newest first)`` for the prompt's block ends.
+    Returns ``(choice or None, whether a better candidate was over max_bytes)``.
+    """
+    cap = len(key) - 1
+    seen: dict[bytes, list] = {}  # digest -> [shares, candidate, order, listed]
+    order = 0
+    for end, pointer, members in listed:
+        for member in members:
+            got = _unpack(member, end, block)
+            if got is None:
+                continue
+            cand, tail = got
+            share = end + _shared(tail, key, end)
+            entry = seen.get(cand.digest)
+            if entry is None:
+                order += 1
+                entry = seen[cand.digest] = [share, cand, order, []]
+            entry[0] = max(entry[0], share)
+            entry[3].append((pointer, member))
+    ranked = []
+    for share, cand, newer, where in seen.values():
+        n = min(share, cap)
+        # a full match of the prompt is served whole too (the store trims its last token)
+        whole = share == cand.n_tokens and (share <= cap or cand.floor is not None)
+        if n <= have or not whole and (cand.floor is None or cand.floor > n):
+            continue
+        ranked.append(((n, whole, -cand.size, -newer),
+                       Choice(cand, cand.n_tokens if whole else n, whole, where)))
+    ranked.sort(key=lambda rc: rc[0], reverse=True)
+    for i, (_, choice) in enumerate(ranked):
+        if max_bytes is None or choice.candidate.size <= max_bytes:
+            return choice, i > 0
+    return None, bool(ranked)
