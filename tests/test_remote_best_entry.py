@@ -155,3 +155,19 @@ def test_a_member_not_of_this_layout_is_ignored(tier, redis_server):
     got = b.fetch(MODEL, SYSTEM + [3] * 10)
     assert got is not None and got[1] == len(SYSTEM)
     assert b.stats()["remote_corrupt"] == 0
+
+
+def test_fingerprints_that_collide_are_caught_by_the_entry_name(tier):
+    """A prompt whose token differs from a whole-only entry's by 256 (the same fingerprint):
+    the entry's name, a hash of its tokens, says it is no prefix; nothing is read."""
+    from mlx_lm.models.cache import ArraysCache
+
+    a, b = tier(), tier()
+    state = ArraysCache(1)
+    state[0] = mx.ones((1, 3, 8))
+    _publish(a, (SYSTEM, [*_entry(len(SYSTEM), 1), state]))
+    prompt = SYSTEM[:-1] + [SYSTEM[-1] + 256] + [4] * 20
+    assert b.fetch(MODEL, prompt) is None
+    assert b.stats()["remote_bytes_read"] == 0
+    got = b.fetch(MODEL, SYSTEM + [4] * 20)
+    assert got is not None and got[1] == len(SYSTEM)

@@ -12,11 +12,12 @@ ends of many entries (a system prompt, each conversation's prompt, prompt + repl
 to the longer ones that pass it; which one serves a prompt best depends on the prompt. So a
 pointer is a sorted set of at most :data:`FAN_OUT` members, newest first, each naming one
 entry with what choosing needs: its length, the fewest tokens it can be cut to (none for
-recurrent state or a wrapped window), its value's size, and its tokens from the pointer up to
-the next block end. From those a reader knows locally, for every candidate, how many tokens it
-shares with the prompt (whose whole key is a prefix of it, or where it diverges) and picks as
-the hot tier does (:func:`kvplugin.cache.index.choose`): the entry that gives the most tokens,
-whole if it can, and reads only that one.
+recurrent state or a wrapped window), its value's size, and a one-byte fingerprint of each of
+its tokens from the pointer up to the next block end. From those a reader knows locally, for
+every candidate, how many tokens it shares with the prompt: where it diverges, or that its
+whole key starts the prompt (checked against the entry's name, a hash of its tokens). It
+picks as the hot tier does (:func:`kvplugin.cache.index.choose`): the entry that gives the
+most tokens, whole if it can, and reads only that one.
 
 Why not one key per stored chunk (LMCache's layout): kvplugin's entries are whole host caches
 (rotating, recurrent and MLA layers included) whose layers cannot all be cut into chunks and
@@ -27,14 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import sys
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvplugin.cache.index import tokens_bytes
 
-__all__ = ["FAN_OUT", "PREFIX", "Candidate", "Choice", "Namespace", "choose", "namespace_of"]
+__all__ = ["FAN_OUT", "PREFIX", "Candidate", "Choice", "Namespace", "choose", "fingerprints",
+           "namespace_of"]
 
 #: Every key kvplugin writes starts with this (``redis-cli --scan --pattern 'kvp2:*'``). It
 #: names the layout: a reader of another layout finds nothing under this prefix.
@@ -69,11 +69,11 @@ def _entry_digest(tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(tokens_bytes(tokens), digest_size=_DIGEST).digest()
 
 
-def _tail_bytes(tokens: Sequence[int]) -> bytes:
-    a = array("I", tokens)  # token ids fit 32 bits; half the bytes of the entry name's int64
-    if sys.byteorder == "big":  # pragma: no cover - every platform MLX runs on is little
-        a.byteswap()
-    return a.tobytes()
+def fingerprints(tokens: Sequence[int]) -> bytes:
+    """One byte per token, the low byte of its id: where two token runs first differ, their
+    fingerprints differ too but about once in 256 (the value read then tells the exact
+    count). An eighth of the id's bytes: a lookup reads them for every member it reads."""
+    return tokens_bytes(tokens)[::8]  # little-endian int64: the low byte first
 
 
 @dataclass(frozen=True)
@@ -86,18 +86,12 @@ class Candidate:
     size: int  # bytes of its value
 
 
-def _unpack(member: bytes, end: int, block: int) -> tuple[Candidate, tuple] | None:
-    """``(candidate, its tokens from end)`` of a member listed at ``end``; None when the
-    member is not one this layout writes."""
-    if len(member) < _HEAD.size or (len(member) - _HEAD.size) % 4:
+def _unpack(member: bytes) -> Candidate | None:
+    """The candidate a member names; None when the member is not one this layout writes."""
+    if len(member) < _HEAD.size:
         return None
     digest, n, floor, size = _HEAD.unpack_from(member)
-    tail = array("I", member[_HEAD.size:])
-    if sys.byteorder == "big":  # pragma: no cover
-        tail.byteswap()
-    if len(tail) != min(n, end + block) - end or not -1 <= floor <= n:
-        return None
-    return Candidate(digest, n, None if floor < 1 else floor, size), tuple(tail)
+    return Candidate(digest, n, None if floor < 1 else floor, size) if -1 <= floor <= n else None
 
 
 @dataclass
@@ -153,18 +147,35 @@ class Namespace:
         else:
             ends = [(end, p) for end, p in ends if min(n, end + self.block) >= floor]
         head = _HEAD.pack(digest, n, -1 if floor is None else floor, size)
-        return [(p, head + _tail_bytes(tokens[end:end + self.block])) for end, p in ends]
+        marks = fingerprints(tokens[ends[0][0]:]) if ends else b""
+        start = ends[0][0] if ends else 0
+        return [(p, head + marks[end - start:end - start + self.block]) for end, p in ends]
 
 
-def _shared(tail: tuple, key: tuple, end: int) -> int:
-    """Tokens from ``end`` on that ``tail`` shares with ``key``."""
-    part = key[end:end + len(tail)]
-    if tail[:len(part)] == part:
+def _shared(tail: bytes, marks: bytes, end: int) -> int:
+    """Fingerprints from ``end`` on that ``tail`` shares with the prompt's ``marks``."""
+    part = marks[end:end + len(tail)]
+    if tail.startswith(part):
         return len(part)
-    i = 0
-    while tail[i] == part[i]:
-        i += 1
-    return i
+    lo, hi = 0, len(part) - 1  # the longest common prefix, by halving (slices compare in C)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tail[:mid] == part[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _whole(key: tuple, lengths: set[int]) -> dict[int, bytes]:
+    """The entry digest of ``key[:n]`` for each ``n``, hashing ``key`` once."""
+    data = tokens_bytes(key)
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    out, done = {}, 0
+    for n in sorted(lengths):
+        h.update(data[8 * done:8 * n])
+        out[n], done = h.copy().digest(), n
+    return out
 
 
 def choose(key: tuple, listed: list[tuple[int, str, list[bytes]]], block: int, *,
@@ -178,23 +189,29 @@ def choose(key: tuple, listed: list[tuple[int, str, list[bytes]]], block: int, *
     Returns ``(choice or None, whether a better candidate was over max_bytes)``.
     """
     cap = len(key) - 1
-    seen: dict[bytes, list] = {}  # digest -> [shares, candidate, order, listed]
-    order = 0
+    marks = fingerprints(key)
+    seen: dict[bytes, list] = {}  # digest -> [share, candidate, order, listed, listed at]
     for end, pointer, members in listed:
         for member in members:
-            got = _unpack(member, end, block)
-            if got is None:
-                continue
-            cand, tail = got
-            share = end + _shared(tail, key, end)
-            entry = seen.get(cand.digest)
+            entry = seen.get(member[:_DIGEST])
             if entry is None:
-                order += 1
-                entry = seen[cand.digest] = [share, cand, order, []]
-            entry[0] = max(entry[0], share)
+                cand = _unpack(member)
+                if cand is None:
+                    continue
+                entry = [0, cand, len(seen), [], end]
+            tail = member[_HEAD.size:]
+            if len(tail) != min(entry[1].n_tokens, end + block) - end:
+                continue  # not this layout's (a tail of another length)
+            seen.setdefault(entry[1].digest, entry)
+            entry[0] = max(entry[0], end + _shared(tail, marks, end))
             entry[3].append((pointer, member))
+            entry[4] = max(entry[4], end)
+    # A whole match by fingerprints is checked against the entry's name (a hash of its tokens)
+    digests = _whole(key, {e[1].n_tokens for e in seen.values() if e[0] == e[1].n_tokens})
     ranked = []
-    for share, cand, newer, where in seen.values():
+    for share, cand, newer, where, deepest in seen.values():
+        if share == cand.n_tokens and digests[share] != cand.digest:
+            share = deepest  # fingerprints that collide: it shares at least its pointer
         n = min(share, cap)
         # a full match of the prompt is served whole too (the store trims its last token)
         whole = share == cand.n_tokens and (share <= cap or cand.floor is not None)
