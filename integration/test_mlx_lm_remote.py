@@ -17,6 +17,7 @@ import pytest
 from harness import answer_text, cached_tokens, run_command
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvplugin.cache.tiers.remote_keys import PREFIX
 from kvplugin.tools.models.tiny import build_tiny_model
 from kvplugin.tools.redisproc import RedisServer
 
@@ -75,7 +76,7 @@ def test_a_corrupted_value_is_a_counted_miss_never_served(stock, replicas, redis
     a.chat(first, max_tokens=MAX_TOKENS)
     harness.wait_published(a, puts + 1)
     cli = ["redis-cli", "-h", "127.0.0.1", "-p", str(redis_server.port)]
-    keys = subprocess.run([*cli, "--scan", "--pattern", "kvp1:*:e:*"], check=True,
+    keys = subprocess.run([*cli, "--scan", "--pattern", f"{PREFIX}:*:e:*"], check=True,
                           capture_output=True, text=True).stdout.split()
     assert keys
     for key in keys:  # garbage inside every value's tensor data
@@ -148,7 +149,7 @@ def test_a_wrong_password_stops_the_server_before_it_listens(tiny_model):
 def test_hot_cache_only_turns_the_remote_tier_off_and_says_so(start_server, redis_server):
     srv = start_server(harness.mlx_lm_server_cmd, "--kv-cache-remote", redis_server.url,
                        "--hot-cache-only")
-    keys = len(redis_server.client().keys("kvp1:*"))
+    keys = len(redis_server.client().keys(f"{PREFIX}:*"))
     r = srv.chat([harness.briefing(6), {"role": "user", "content": "Who repaired the bridge?"}],
                  max_tokens=MAX_TOKENS)
     assert answer_text(r)
@@ -156,5 +157,5 @@ def test_hot_cache_only_turns_the_remote_tier_off_and_says_so(start_server, redi
     stats = srv.get("/kvplugin/stats")
     assert stats["remote_url"] is None and stats["remote_puts"] is None, stats
     assert stats["store_entries"] >= 1  # the hot tier still works
-    assert len(redis_server.client().keys("kvp1:*")) == keys  # nothing left the process
+    assert len(redis_server.client().keys(f"{PREFIX}:*")) == keys  # nothing left the process
     assert srv.log_text().count("--hot-cache-only wins: the remote tier") == 1

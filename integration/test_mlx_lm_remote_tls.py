@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import harness
 import pytest
+
+from kvplugin.cache.tiers.remote_keys import PREFIX
 from harness import answer_text, cached_tokens, run_command, venv_script
 
 from kvplugin.tools.redisproc import RedisServer
@@ -46,7 +48,7 @@ def test_replicas_share_a_prefix_over_tls_as_an_acl_user(replicas, tls_redis):
     stats = b.get("/kvplugin/stats")
     assert stats["remote_hits"] >= 1 and stats["remote_connected"] == 1, stats
     assert stats["remote_url"].startswith(f"rediss://{USER}:***@127.0.0.1:")
-    assert len(tls_redis.client().keys("kvp1:*")) >= 2  # written through the TLS port
+    assert len(tls_redis.client().keys(PREFIX + ":*")) >= 2  # written through the TLS port
 
 
 def test_the_password_never_shows(replicas, tls_redis):

@@ -14,6 +14,8 @@ import time
 
 import harness
 import pytest
+
+from kvplugin.cache.tiers.remote_keys import PREFIX
 from harness import answer_text, cached_tokens
 
 MAX_TOKENS = 4
@@ -70,7 +72,7 @@ def test_a_salted_prefix_crosses_redis_for_its_salt_only(replicas, redis_server)
     hit = _ask(two, system, "Where is the market?", SALT_A)
     assert cached_tokens(hit) >= hit["usage"]["prompt_tokens"] // 2, hit["usage"]
     assert two.get("/kvplugin/stats")["remote_hits"] == mid["remote_hits"] + 1
-    keys = [k.decode() for k in redis_server.client().keys("kvp1:*")]
+    keys = [k.decode() for k in redis_server.client().keys(PREFIX + ":*")]
     assert keys and not any(SALT_A in k or SALT_B in k for k in keys)  # hashed, never in clear
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import harness
 import pytest
+
+from kvplugin.cache.tiers.remote_keys import PREFIX
 from harness import answer_text, vllm_mlx_serve_cmd
 
 MAX_TOKENS = 4
@@ -81,7 +83,7 @@ def test_a_salted_prefix_crosses_redis_for_its_salt_only(servers, redis_server):
     hit, reused = _ask(two, system, "Where is the market?", SALT_A)
     assert reused >= hit["usage"]["prompt_tokens"] // 2, (reused, hit["usage"])
     assert two.get("/kvplugin/stats")["remote_hits"] == hits + 1
-    keys = [k.decode() for k in redis_server.client().keys("kvp1:*")]
+    keys = [k.decode() for k in redis_server.client().keys(PREFIX + ":*")]
     assert keys and not any(SALT_A in k or SALT_B in k for k in keys)  # hashed, never in clear
 
 

@@ -14,11 +14,12 @@ import time
 
 import mlx.core as mx
 import pytest
+import redis
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from kvplugin.cache.service.service import store_key
 from kvplugin.cache.tiers.remote import RemoteTier
-from kvplugin.cache.tiers.remote_keys import namespace_of
+from kvplugin.cache.tiers.remote_keys import PREFIX, namespace_of
 from kvplugin.settings import SettingsError
 from kvplugin.tools.redisproc import RedisServer
 
@@ -82,8 +83,10 @@ def test_an_entry_published_by_one_tier_is_a_hit_on_another(tier, redis_server):
     assert n == 300
     assert mx.array_equal(out[0].keys[..., :300, :], cache[0].keys[..., :300, :]).item()
     assert b.stats()["remote_hits"] == 1 and b.stats()["remote_bytes_read"] > 300 * 256
-    key = redis_server.client().keys("kvp1:*:e:*")[0]
-    assert 0 < redis_server.client().ttl(key) <= 3600  # everything written expires
+    keys = redis_server.client().keys(f"{PREFIX}:*")
+    assert len(keys) == 1 + 300 // BLOCK  # the value and a pointer set per block end
+    for key in keys:  # everything written expires
+        assert 0 < redis_server.client().ttl(key) <= 3600
 
 
 @pytest.mark.parametrize("codec,bits", [("rotated-channel", 4), ("rotated-channel-sym", 3)])
@@ -110,20 +113,32 @@ def test_a_quantized_entry_crosses_redis_with_its_codec_record(tier, codec, bits
 
 
 def test_a_shared_prefix_is_found_in_two_round_trips_and_cut_to_every_common_token(
-        tier, redis_server):
+        tier, redis_server, monkeypatch):
     a, b = tier(), tier()
     system = list(range(5000, 5000 + 4 * BLOCK + 10))  # 4 blocks and a bit
     a.publish(MODEL, system + [1, 2, 3], _entry(len(system) + 3))
     _published(a)
-    def trips():
-        return _commands(redis_server, "mget"), _commands(redis_server, "get")
+    sent = []
+    real = redis.connection.AbstractConnection.send_packed_command
+    mine = set()
+    for client in (b._lookup, b._values):
+        client.ping()  # connected: the hand-shake is not the lookup's
+        mine.update(id(c) for c in client.connection_pool._available_connections)
 
-    before = trips()
+    def send(conn, command, check_health=True):  # one call: one round trip
+        if id(conn) in mine:
+            sent.append(command)
+        return real(conn, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send)
+    before = _commands(redis_server, "zrevrange"), _commands(redis_server, "get")
     got = b.fetch(MODEL, system + [8] * 4000)  # a 4k-token prompt: still two round trips
-    after = trips()
+    after = _commands(redis_server, "zrevrange"), _commands(redis_server, "get")
+    monkeypatch.undo()
     assert got is not None and got[1] == len(system)  # every common token, not whole blocks
     assert got[0][0].offset == len(system)
-    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+    assert len(sent) == 2, sent  # every pointer set in one pipeline, then the value
+    assert (after[0] - before[0], after[1] - before[1]) == ((len(system) + 4000) // BLOCK, 1)
 
 
 def test_other_models_formats_and_short_prefixes_never_match(tier):
@@ -149,7 +164,7 @@ def test_a_damaged_value_is_a_counted_miss_and_is_deleted(tier, redis_server, da
     a.publish(MODEL, tokens, _entry(200))
     _published(a)
     r = redis_server.client()
-    key = r.keys("kvp1:*:e:*")[0]
+    key = r.keys(f"{PREFIX}:*:e:*")[0]
     raw = r.get(key)
     if damage == "flip":
         r.setrange(key, len(raw) - 100, b"\xff" * 8)
@@ -268,7 +283,7 @@ def test_an_entry_that_does_not_fit_the_model_is_never_served_and_is_deleted(tie
     assert cache is None and n == 0
     assert b.stats()["remote_invalid"] == 1
     deadline = time.monotonic() + 5
-    while redis_server.client().keys("kvp1:*:e:*"):  # deleted by the writer thread
+    while redis_server.client().keys(f"{PREFIX}:*:e:*"):  # deleted by the writer thread
         assert time.monotonic() < deadline
         time.sleep(0.01)
     cache, n = store.fetch(MODEL, tokens + [1], check=lambda c: True)

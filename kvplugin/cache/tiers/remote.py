@@ -26,6 +26,7 @@ What the tier promises, because Redis is never on the critical path of correctne
 from __future__ import annotations
 
 import concurrent.futures as cf
+import io
 import logging
 import queue
 import threading
@@ -35,10 +36,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvplugin.cache.store.index import to_key
-from kvplugin.cache.layers import copy_prefix, entry_nbytes
+from kvplugin.cache.layers import copy_floor, copy_prefix, entry_nbytes
 from kvplugin.cache.tiers.serialize import Unsupported
 from kvplugin.cache.tiers.refusals import Refusals
-from kvplugin.cache.tiers.remote_keys import Namespace
+from kvplugin.cache.tiers.remote_keys import FAN_OUT, Choice, Namespace, choose
 from kvplugin.cache.tiers.remote_wire import Corrupt, decode, encode, seal
 from kvplugin.resources import masked_url
 
@@ -224,8 +225,11 @@ class RemoteTier:
                 self.counters["dropped"] += 1
                 return False
             self._pending += size
+        buf = None
         try:
             buf, trimmable = encode(ns.name, tokens, cache)
+            floor = copy_floor(cache) if trimmable else None
+            members = ns.members(tokens, floor, buf.seek(0, io.SEEK_END))
         except Unsupported as e:
             self._count("refused")
             self._refusals.unsupported(e, "shares")
@@ -236,14 +240,10 @@ class RemoteTier:
             self._count("refused")
             self._refusals.count("serialize_failed")
             self._count_pending(-size)
+            if buf is not None:
+                buf.close()
             return False
-        ends = ns.pointer_keys(tokens)
-        pointers = [p for _, p in (ends if trimmable else ends[-1:])]
-        # An entry that cannot be cut serves only prompts that extend it whole, so it takes
-        # no pointer another entry holds: the first one there (a conversation's shortest:
-        # its system prompt, then its prompt, before prompt + reply) is the one more prompts
-        # extend. A pointer whose value is gone is deleted by the reader that finds it.
-        self._jobs.put(("set" if trimmable else "set-nx", key, pointers, buf, size))
+        self._jobs.put(("set", key, members, buf, size))
         with self._lock:
             self._published[key] = now
             self._published.move_to_end(key)
@@ -260,11 +260,11 @@ class RemoteTier:
             job = self._jobs.get()
             if job is None:
                 return
-            kind, key, pointers, buf, size = job
+            kind, key, members, buf, size = job
             view = None
             try:
-                if kind == "delete":
-                    self._writes.delete(key)
+                if kind != "set":
+                    self._tend(kind, key, members)
                     continue
                 if not self._available():
                     self._count("dropped")
@@ -275,8 +275,11 @@ class RemoteTier:
                     continue
                 pipe = self._writes.pipeline(transaction=False)
                 pipe.set(key, view, ex=self.ttl_s)
-                for p in pointers:  # the value's size rides along: checked before a GET
-                    pipe.set(p, f"{key}|{len(view)}", ex=self.ttl_s, nx=kind == "set-nx")
+                now = time.time()  # shared by replicas: newest first in every pointer set
+                for pointer, member in members:
+                    pipe.zadd(pointer, {member: now})
+                    pipe.zremrangebyrank(pointer, 0, -FAN_OUT - 1)  # the oldest go
+                    pipe.expire(pointer, self.ttl_s)
                 pipe.execute()
                 with self._lock:
                     self.counters["puts"] += 1
@@ -292,37 +295,63 @@ class RemoteTier:
                 if size:
                     self._count_pending(-size)
 
+    def _tend(self, kind: str, key: str, listed: list[tuple[str, bytes]] | None) -> None:
+        """On the writer: delete a value; forget its members (its value is gone); or touch
+        what a hit used, so that an entry in use outlives its TTL and stays in its sets."""
+        pipe = self._writes.pipeline(transaction=False)
+        if kind == "delete":
+            pipe.delete(key)
+        for pointer, member in listed or ():
+            if kind == "forget":
+                pipe.zrem(pointer, member)
+            else:
+                pipe.zadd(pointer, {member: time.time()}, xx=True)
+                pipe.expire(pointer, self.ttl_s)
+        if kind == "touch":
+            pipe.expire(key, self.ttl_s)
+        pipe.execute()
+
     # ---------------------------------------------------------------- reads
 
     @property
     def ask_beyond(self) -> int:
-        """The store asks this tier when a hot hit leaves a block or more uncovered."""
-        return self.block
+        """The store asks this tier whenever a hot hit leaves a token uncovered, as the hot
+        tier would serve a longer entry however few tokens it adds: a lookup reads only the
+        pointer sets past the hot hit, and a value only when it gives more."""
+        return 1
 
-    def _read(self, pointers: list[tuple[int, str]], have: int) -> tuple[str, bytes] | None:
-        """On the pool: MGET every pointer, then GET the deepest one's value, if that
-        pointer promises more than the ``have`` tokens the caller holds already."""
-        names = self._lookup.mget([p for _, p in pointers])
-        for (end, pointer), name in zip(reversed(pointers), reversed(names)):
-            if name:
-                if end <= have:
-                    return None
-                key, _, size = name.decode(errors="replace").rpartition("|")
-                if not size.isdigit() or int(size) > self.max_value_bytes:
-                    self._count("too_large")  # over the bound (or no size): never downloaded
-                    return None
-                raw = self._values.get(key)
-                if raw is None:  # the value expired or was evicted before its pointer
-                    self._count("stale")
-                    self._jobs.put(("delete", pointer, None, None, 0))  # free for the next
-                    return None
-                return key, raw
-        return None
+    def _read(self, ns: Namespace, key: tuple, have: int) -> tuple[Choice, bytes] | None:
+        """On the pool: read the pointer sets of ``key`` in one pipelined round trip,
+        choose locally, then GET the chosen value only.
+
+        Only the sets at block ends past ``have - block`` can name an entry giving more than
+        ``have`` tokens: an entry sharing more is listed where its shared part ends."""
+        pointers = [(end, p) for end, p in ns.pointer_keys(key) if end + self.block > have]
+        if not pointers:
+            return None
+        pipe = self._lookup.pipeline(transaction=False)
+        for _, pointer in pointers:
+            pipe.zrevrange(pointer, 0, FAN_OUT - 1)  # newest first
+        listed = [(end, pointer, members)
+                  for (end, pointer), members in zip(pointers, pipe.execute()) if members]
+        choice, too_large = choose(key, listed, self.block, have=have,
+                                   max_bytes=self.max_value_bytes)
+        if too_large:  # a better one was over the bound: never downloaded
+            self._count("too_large")
+        if choice is None:
+            return None
+        name = ns.value_key(choice.candidate.digest)
+        raw = self._values.get(name)
+        if raw is None:  # the value expired or was evicted before its members
+            self._count("stale")
+            self._jobs.put(("forget", name, choice.listed, None, 0))
+            return None
+        return choice, raw
 
     def fetch(self, model_key: str, tokens: Sequence[int], *,
               have: int = 0) -> tuple[list, int] | None:
-        """The longest stored prefix of ``tokens``, if longer than ``have``: ``(cache, n)``
-        or None; never raises, never waits past ``fetch_timeout``."""
+        """The most leading tokens of ``tokens`` a stored entry gives, if more than ``have``:
+        ``(cache, n)`` or None; never raises, never waits past ``fetch_timeout``."""
         key = to_key(tokens)
         if self._closed or len(key) < self.block:
             return None
@@ -330,10 +359,9 @@ class RemoteTier:
             self._count("misses")
             return None
         ns = self._space(model_key)
-        pointers = ns.pointer_keys(key)
         started = time.monotonic()
         try:
-            found = self._pool.submit(self._read, pointers, have).result(
+            found = self._pool.submit(self._read, ns, key, have).result(
                 timeout=self.fetch_timeout_s)
         except cf.TimeoutError as e:
             self._failed(e, timeout=True)
@@ -350,9 +378,10 @@ class RemoteTier:
             self.counters["hits" if got is not None else "misses"] += 1
         return got
 
-    def _use(self, ns: Namespace, key: tuple, found: tuple[str, bytes],
+    def _use(self, ns: Namespace, key: tuple, found: tuple[Choice, bytes],
              have: int) -> tuple[list, int] | None:
-        name, raw = found
+        choice, raw = found
+        name = ns.value_key(choice.candidate.digest)
         self._count("bytes_read", len(raw))
         try:
             held, cache, trimmable = decode(raw, ns.name, self.max_value_bytes)
@@ -369,20 +398,22 @@ class RemoteTier:
             if a != b:
                 break
             common += 1
-        if common <= have:
+        n = common if common == len(held) else min(common, choice.n)
+        if n <= have:
             return None
-        if common < len(held):
+        if n < len(held):
             if not trimmable:
                 return None
-            cache = copy_prefix(cache, common)
+            cache = copy_prefix(cache, n)
             if cache is None:
                 return None
+        self._jobs.put(("touch", name, choice.listed, None, 0))
         with self._lock:
             self._served[id(cache)] = name
             if len(self._served) > 16:
                 self._served.popitem(last=False)
-            self._published[ns.entry_key(held)] = time.monotonic()  # coming back unchanged
-        return cache, common
+            self._published[name] = time.monotonic()  # coming back unchanged
+        return cache, n
 
     def discard(self, cache: list) -> None:
         """The store refused ``cache`` (it does not fit the model): delete its value."""
