@@ -140,7 +140,7 @@ def test_bounded_chunked_conversation_says_why_its_next_turn_misses(start_server
 def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
         start_server, tmp_path):
     """Gemma 3's sliding-window layers are stored quantized (QuantizedRotatingKVCache; at 4
-    bits with the default codec: rotated, per token); the SSD tier used to refuse them. Now an
+    bits with the default codec, as the global layers); the SSD tier used to refuse them. Now an
     evicted system-prompt entry spills, and a new server on the same directory serves the next
     conversation's system prompt from the file."""
     from kvplugin.tools.bench.families import SYSTEM
@@ -162,8 +162,10 @@ def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
         assert stats["cold_tier"]["refused"] == 0, stats["cold_tier"]
         kinds = {k for e in stats["entries"] for k in e["layers"]}
         assert "QuantizedRotatingKVCache" in kinds, kinds
-        # windows rotated per token, global layers per channel with protected tokens
-        assert "rotated-channel-k4v4-s4r16+rotated-k4v4" in stats["bytes_stored_by_codec"], stats
+        # every layer per channel with protected tokens: the wrapped windows (keep 0) their
+        # newest slots, the global layers their sinks too
+        assert ("rotated-channel-k4v4-s0r16+rotated-channel-k4v4-s4r16"
+                in stats["bytes_stored_by_codec"]), stats
     finally:
         first.stop()
     second = start_server(harness.mlx_lm_server_cmd, *flags, model_dir=model)

@@ -35,7 +35,7 @@ from kvplugin.cache.quantize_rows import (ALLOWED_BITS, BOUNDARY_ATTR, CHANNEL_K
                                           DTYPE_ATTR, RECENT_ATTR, RECENT_START_ATTR,
                                           SINK_ATTR, SYM, check_record, codec_arrays,
                                           dtype_name, encode_rows, fitting_codec,
-                                          protect_rows, restore_rows)
+                                          protect_rows, protected_ranges, restore_rows)
 from kvplugin.codecs import (CODEC_ATTR, CODECS, SEED_ATTR, VALUE_BITS_ATTR, CodecPlan,
                              UnknownCodec)
 
@@ -266,8 +266,9 @@ def quantize_entry(
         if is_quantizable(layer, group_size):
             return i, _quantize_layer(layer, bits, group_size, codec, value_bits, sink_tokens,
                                       recent_tokens, prompt_boundaries, donors[i], chunk_bytes)
-        if is_rotating_quantizable(layer, group_size):  # key bits: windows are short
-            return i, quantize_rotating(layer, bits, group_size, codec)
+        if is_rotating_quantizable(layer, group_size):
+            return i, quantize_rotating(layer, bits, group_size, codec, value_bits, sink_tokens,
+                                        recent_tokens, chunk_bytes)
         return i, None
 
     def made(result: tuple[int, Any]) -> list:
@@ -318,11 +319,17 @@ def _codec_of(layer: Any) -> tuple[str, int]:
 
 
 def codec_name(layer: Any) -> str:
-    """A stored layer's codec for the per-codec byte counters, e.g. ``rotated-k4v4``."""
+    """A stored layer's codec for the per-codec byte counters, e.g. ``rotated-k4v4``. A ring's
+    newest slots count as recent where they wrap past its end too."""
+    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache
+
     kbits = getattr(layer, "bits", None)
+    sink, recent = getattr(layer, SINK_ATTR, 0), getattr(layer, RECENT_ATTR, 0)
+    if type(layer) is QuantizedRotatingKVCache and hasattr(layer, SINK_ATTR):
+        recent = sum(count for _, count in protected_ranges(layer)) - sink
     return CodecPlan(getattr(layer, CODEC_ATTR, "affine"), kbits,
                      getattr(layer, VALUE_BITS_ATTR, kbits), getattr(layer, "group_size", 0),
-                     getattr(layer, SINK_ATTR, 0), getattr(layer, RECENT_ATTR, 0)).name
+                     sink, recent).name
 
 
 def dequantize_entry(cache: list, *, consume: bool = False) -> list:
