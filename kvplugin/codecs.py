@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CODECS", "CHOICES", "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan",
-           "UnknownCodec", "codec_plan"]
+           "UnknownCodec", "codec_plan", "fitting_codec"]
 
 CODECS = ("affine", "rotated", "rotated-channel", "rotated-channel-sym")  # what
 # kvplugin.cache.quantize can read
@@ -91,3 +91,18 @@ def codec_plan(settings: Any) -> CodecPlan:
         recent = settings.kv_cache_recent_tokens
     return CodecPlan(codec, key_bits, value_bits,
                      settings.kv_cache_quantization_group_size, sink, recent)
+
+
+def fitting_codec(codec: str, key_width: int, value_width: int) -> str:
+    """``codec``, or what layers of these widths can take: the rotated codecs need
+    power-of-two widths (a Hadamard; ``affine`` otherwise), per-channel keys a multiple of 32
+    (``rotated`` otherwise). ``auto`` falls back so, silently; a codec the user named is
+    refused at start-up where it would fall back (``kvplugin.cache.checks``)."""
+    def power_of_two(w: int) -> bool:
+        return w > 0 and w & (w - 1) == 0
+
+    if codec != "affine" and not (power_of_two(key_width) and power_of_two(value_width)):
+        return "affine"
+    if codec in ("rotated-channel", "rotated-channel-sym") and key_width % 32:
+        return "rotated"
+    return codec

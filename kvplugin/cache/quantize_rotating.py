@@ -129,7 +129,7 @@ def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int,
                       recent: int = 0, chunk_bytes: int | None = None
                       ) -> QuantizedRotatingKVCache:
     """The ring's held slots through ``codec`` (as a plain layer's rows; widths it cannot take
-    fall back as :func:`kvplugin.cache.quantize_rows.fitting_codec` says, recorded), keys at
+    fall back as :func:`kvplugin.codecs.fitting_codec` says, recorded), keys at
     ``bits``, values at ``value_bits``, the head and the newest ``recent`` slots kept at full
     precision (see :func:`protected_slots`)."""
     q = QuantizedRotatingKVCache()

@@ -21,7 +21,8 @@ import mlx.core as mx
 
 from kvplugin.cache.cpu_restore import dequantize, restore_layer, restores_here
 from kvplugin.cache.row_chunks import in_row_chunks
-from kvplugin.codecs import CODEC_ATTR, CODECS, SEED_ATTR, VALUE_BITS_ATTR, UnknownCodec
+from kvplugin.codecs import (CODEC_ATTR, CODECS, SEED_ATTR, VALUE_BITS_ATTR, UnknownCodec,
+                             fitting_codec)
 
 __all__ = ["SYM", "CHANNEL_KEYS", "ALLOWED_BITS", "DTYPE_ATTR", "SINK_ATTR", "RECENT_ATTR",
            "RECENT_START_ATTR", "BOUNDARY_ATTR", "fitting_codec", "encode_rows",
@@ -48,21 +49,10 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).rsplit(".", 1)[-1]  # "mlx.core.bfloat16" -> "bfloat16"
 
 
-def fitting_codec(codec: str, key_width: int, value_width: int) -> str:
-    """``codec``, or what these widths can take: the rotated codecs need power-of-two widths
-    (``affine`` otherwise), per-channel keys a multiple of 32 (``rotated`` otherwise)."""
-    from kvplugin.cache import rotation
-
-    if codec != "affine" and not all(rotation.rotatable(w) for w in (key_width, value_width)):
-        return "affine"
-    if codec in CHANNEL_KEYS and key_width % 32:
-        return "rotated"
-    return codec
-
-
 def encode_rows(keys: mx.array, values: mx.array, codec: str, bits: int, vbits: int,
                 group: int, chunk_bytes: int | None) -> tuple[tuple, tuple]:
-    """The codec's arrays of ``keys`` and ``values`` (``codec`` as :func:`fitting_codec` gave
+    """The codec's arrays of ``keys`` and ``values`` (``codec`` as
+    :func:`kvplugin.codecs.fitting_codec` gave
     it): codes, scales, minimums (scale-only values of ``rotated-channel-sym``: codes,
     scales); in row chunks of at most ``chunk_bytes`` input bytes where that helps
     (:func:`kvplugin.cache.row_chunks.in_row_chunks`)."""
