@@ -63,6 +63,7 @@ class CodecPlan:
     group_size: int
     sink_tokens: int
     recent_tokens: int
+    quantize_state: bool = True  # recurrent state rotated at 8 bits (quantize_state.py)
 
     @property
     def name(self) -> str:
@@ -90,7 +91,8 @@ def codec_plan(settings: Any) -> CodecPlan:
     if settings.kv_cache_recent_tokens is not None:
         recent = settings.kv_cache_recent_tokens
     return CodecPlan(codec, key_bits, value_bits,
-                     settings.kv_cache_quantization_group_size, sink, recent)
+                     settings.kv_cache_quantization_group_size, sink, recent,
+                     getattr(settings, "kv_cache_quantize_state", True))
 
 
 def fitting_codec(codec: str, key_width: int, value_width: int) -> str:

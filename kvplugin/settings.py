@@ -154,6 +154,11 @@ class KVPluginSettings(BaseSettings):
         "rotated-channel-sym), else 0.",
         json_schema_extra={"allowed": "an integer >= 0"},
     )
+    kv_cache_quantize_state: bool = Field(
+        True,
+        description="With quantization on, also store recurrent state (Mamba, GatedDeltaNet, "
+        "Falcon-H1's SSM half) rotated at 8 bits; off: kept at full precision.",
+    )
     kv_cache_min_quantize_tokens: int = Field(
         256,
         description="Entries shorter than this many tokens stay full precision.",
@@ -242,7 +247,8 @@ class KVPluginSettings(BaseSettings):
         json_schema_extra={"allowed": "a number > 0"},
     )
 
-    @field_validator("kv_cache_quantization", "hot_cache_only", mode="before")
+    @field_validator("kv_cache_quantization", "hot_cache_only", "kv_cache_quantize_state",
+                     mode="before")
     @classmethod
     def _strict_bool(cls, v: Any) -> Any:
         """pydantic also takes "t", "y", "f", "n" ...; users get exactly the documented words."""

@@ -220,6 +220,7 @@ def quantize_entry(
     prompt_boundaries: Any = (),
     stored_prefix: list | None = None,
     chunk_bytes: int | None = None,
+    quantize_state: bool = False,
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
@@ -238,7 +239,8 @@ def quantize_entry(
     than quantized again wherever it was stored with this very codec (plain layers). With
     ``consume`` each of its layers is dropped from that list once used. ``chunk_bytes``:
     the most input bytes one codec pass encodes at once (default: 1/``CHUNK_SHARE`` of the
-    entry's used rows; see :mod:`kvplugin.cache.row_chunks`).
+    entry's used rows; see :mod:`kvplugin.cache.row_chunks`). ``quantize_state``: recurrent
+    state (``ArraysCache``) stored rotated at 8 bits too (:mod:`kvplugin.cache.quantize_state`).
     """
     validate_bits_group(bits, group_size)
     if value_bits is not None:
@@ -248,6 +250,8 @@ def quantize_entry(
     out = cache if consume else list(cache)
     quantized = skipped = 0
     from kvplugin.cache.quantize_rotating import is_rotating_quantizable, quantize_rotating
+    from kvplugin.cache.quantize_state import QuantizedArraysCache, is_state_quantizable
+    from kvplugin.cache.quantize_state import quantize_state as quantize_state_layer
 
     if chunk_bytes is None:
         chunk_bytes = sum(used_bytes(layer) for layer in cache) // CHUNK_SHARE
@@ -262,17 +266,22 @@ def quantize_entry(
                                      sink_tokens=sink_tokens, recent_tokens=recent_tokens,
                                      prompt_boundaries=prompt_boundaries,
                                      stored_prefix=None if kids is None else list(kids),
-                                     chunk_bytes=chunk_bytes)
+                                     chunk_bytes=chunk_bytes, quantize_state=quantize_state)
         if is_quantizable(layer, group_size):
             return i, _quantize_layer(layer, bits, group_size, codec, value_bits, sink_tokens,
                                       recent_tokens, prompt_boundaries, donors[i], chunk_bytes)
         if is_rotating_quantizable(layer, group_size):
             return i, quantize_rotating(layer, bits, group_size, codec, value_bits, sink_tokens,
                                         recent_tokens, chunk_bytes)
+        if quantize_state and is_state_quantizable(layer):
+            return i, quantize_state_layer(layer)
         return i, None
 
     def made(result: tuple[int, Any]) -> list:
         q = result[1]
+        if isinstance(q, QuantizedArraysCache):
+            return [a for part in q.cache if part is not None
+                    for a in (part if isinstance(part, tuple) else (part,))]
         return [] if q is None or isinstance(q, QuantizeResult) else list(q.keys + q.values)
 
     for i, q in in_lanes(enumerate(cache), one, made):
@@ -322,8 +331,11 @@ def codec_name(layer: Any) -> str:
     """A stored layer's codec for the per-codec byte counters, e.g. ``rotated-k4v4``. A ring's
     newest slots count as recent where they wrap past its end too."""
     from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache
+    from kvplugin.cache.quantize_state import STATE_CODEC, QuantizedArraysCache
 
     kbits = getattr(layer, "bits", None)
+    if type(layer) is QuantizedArraysCache:
+        return f"{STATE_CODEC}-{kbits}bit"
     sink, recent = getattr(layer, SINK_ATTR, 0), getattr(layer, RECENT_ATTR, 0)
     if type(layer) is QuantizedRotatingKVCache and hasattr(layer, SINK_ATTR):
         recent = sum(count for _, count in protected_ranges(layer)) - sink
@@ -349,12 +361,15 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
     kernels.
     """
     from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, rotating_codec
+    from kvplugin.cache.quantize_state import QuantizedArraysCache, state_record
 
     for layer in cache:
         if type(layer) is QuantizedKVCache:
             _codec_of(layer)
         elif type(layer) is QuantizedRotatingKVCache:
             rotating_codec(layer)
+        elif type(layer) is QuantizedArraysCache:
+            state_record(layer)
     out = cache if consume else list(cache)
     for i, layer in in_lanes(enumerate(cache), _dequantize_one, _restored_arrays):
         out[i] = layer
@@ -363,13 +378,16 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
 
 def _restored_arrays(result: tuple[int, Any]) -> list:
     layer = result[1]
-    return [x for x in (getattr(layer, "keys", None), getattr(layer, "values", None))
-            if isinstance(x, mx.array)]
+    state = getattr(layer, "cache", None)
+    held = (getattr(layer, "keys", None), getattr(layer, "values", None),
+            *(state if isinstance(state, list) else ()))
+    return [x for x in held if isinstance(x, mx.array)]
 
 
 def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
     """One layer of :func:`dequantize_entry` (left unevaluated: the caller evaluates)."""
     from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, dequantize_rotating
+    from kvplugin.cache.quantize_state import QuantizedArraysCache, dequantize_state
 
     i, layer = item
     if type(layer) is CacheList:
@@ -378,6 +396,8 @@ def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
         return i, with_children(layer, children) if changed else layer
     if type(layer) is QuantizedRotatingKVCache:
         return i, dequantize_rotating(layer)
+    if type(layer) is QuantizedArraysCache:
+        return i, dequantize_state(layer)
     if type(layer) is not QuantizedKVCache:
         return i, layer
     kv = KVCache()

@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as _mlc
 
 from kvplugin.cache.layers import KNOWN_FIELDS, extra_scalars, layout_of
+from kvplugin.cache.quantize_state import QuantizedArraysCache  # noqa: F401 (resolved by name)
 
 __all__ = ["Corrupt", "Unsupported", "deserialize_cache", "serialize_cache"]
 
