@@ -111,3 +111,17 @@ def test_the_setting_turns_it_off_and_names_flag_and_env():
     info = option_info("kv_cache_quantize_state")
     assert (info.flag, info.env) == ("--kv-cache-quantize-state",
                                      "KVPLUGIN_KV_CACHE_QUANTIZE_STATE")
+
+
+def test_a_narrow_last_axis_is_regrouped_not_left_at_full_precision():
+    """Mamba's SSM state is (B, d_inner, d_state=16): no group divides 16, so its last two
+    axes are quantized as rows of 64 and come back in their own shape."""
+    layer = ArraysCache(2)
+    layer.cache = [mx.random.normal((1, 3, 128), key=mx.random.key(5)),
+                   mx.random.normal((1, 128, 16), key=mx.random.key(6))]
+    (q,) = quantize_entry([layer], bits=8, group_size=64, quantize_state=True).cache
+    assert all(isinstance(p, tuple) for p in q.cache)
+    assert entry_nbytes([q]) < entry_nbytes([layer]) / 3  # fp32 state at 8 bits
+    back = dequantize_entry([q])[0]
+    for got, want in zip(back.cache, layer.cache):
+        assert got.shape == want.shape and _err(got, want) < 0.01

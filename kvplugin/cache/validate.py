@@ -170,8 +170,10 @@ def _layer_problem(layer: Any, ref: Reference, where: str) -> str | None:
                 bits = getattr(layer, "bits", None)
                 if not (isinstance(bits, int) and len(a) == 3
                         and all(isinstance(p, mx.array) for p in a)
-                        and (a[1].dtype, tuple(a[0].shape[:-1])) == (want[0], want[1][:-1])
-                        and a[0].shape[-1] * 32 == want[1][-1] * bits):
+                        and a[1].dtype == want[0] and a[0].ndim == len(want[1])
+                        and tuple(a[0].shape[:-2]) == want[1][:-2]  # rows may be regrouped
+                        and a[0].shape[-2] * a[0].shape[-1] * 32
+                        == want[1][-2] * want[1][-1] * bits):
                     return f"{where}.{j}: quantized state for a model whose state is " \
                            f"{want[1]}/{want[0]}"
                 continue
