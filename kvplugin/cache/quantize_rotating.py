@@ -199,7 +199,8 @@ def rotating_codec(q: QuantizedRotatingKVCache) -> tuple[str, int]:
 
 
 def dequantize_rotating(q: QuantizedRotatingKVCache) -> RotatingKVCache:
-    """The same rotating layer back, full precision, evaluated."""
+    """The same rotating layer back, full precision (left unevaluated: the caller's lanes
+    evaluate, :func:`kvplugin.cache.quantize.dequantize_entry`)."""
     codec, seed = rotating_codec(q)
     cls = _resolve(q.cls)
     layer = cls.__new__(cls)
@@ -207,9 +208,8 @@ def dequantize_rotating(q: QuantizedRotatingKVCache) -> RotatingKVCache:
     dtype = getattr(mx, q.dtype_name, mx.float16)
     dtype = dtype if isinstance(dtype, mx.Dtype) else mx.float16
     keys, values = restore_rows(q, codec, seed, _slots(q), dtype)
-    keys, values = keys.astype(dtype), values.astype(dtype)
-    mx.eval(keys, values)
-    layer.keys, layer.values = keys, values
+    layer.keys = keys if keys.dtype == dtype else keys.astype(dtype)
+    layer.values = values if values.dtype == dtype else values.astype(dtype)
     layer.offset, layer._idx = q.offset, q._idx
     if q.step is not None:
         layer.step = q.step
