@@ -29,9 +29,8 @@ minutes on two CPU cores (seconds on Apple silicon). The weights (~0.4 MB) are n
 this script is, and the same mlx version on the same kind of machine rebuilds the same
 weights; the spec, losses and training time are recorded in ``quality-model.json``.
 
-A second geometry, :data:`HYBRID_SPEC`, trains a Qwen3-Next-style hybrid the same way: a
-GatedDeltaNet layer (recurrent state) then an attention layer, for measuring the codec of
-recurrent state (``kvplugin bench --quality --hybrid``).
+:data:`HYBRID_SPEC` (Qwen3-Next style: a GatedDeltaNet layer, then attention) is trained the
+same way, for the codec of recurrent state (``kvplugin bench --quality --hybrid``).
 
 Command line: ``python -m kvplugin.tools.models.quality [DIR] [--force] [--quick] [--hybrid]``.
 """
@@ -56,8 +55,7 @@ __all__ = [
     "ModelSpec",
     "SPEC",
     "QUICK_SPEC",
-    "HYBRID_SPEC",
-    "QUICK_HYBRID_SPEC",
+    "HYBRID_SPEC", "QUICK_HYBRID_SPEC",
     "default_model_dir",
     "build_quality_model",
     "load_quality_model",
@@ -94,14 +92,11 @@ class ModelSpec:
     copy_fraction: float = 0.0
     prose_fraction: float = 0.2
     seed: int = 0
-    #: ``llama``, or ``qwen3_next``: a hybrid whose even layers are GatedDeltaNet (recurrent
-    #: state, ``ArraysCache``) and odd layers attention, for the state codec
+    #: ``llama``, or ``qwen3_next``: GatedDeltaNet (recurrent state) and attention layers
     model_type: str = "llama"
 
     def model_config(self) -> dict[str, Any]:
-        if self.model_type == "qwen3_next":
-            return self._hybrid_config()
-        return {
+        cfg = {
             "model_type": "llama",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -115,29 +110,18 @@ class ModelSpec:
             "rope_theta": 10000.0,
             "tie_word_embeddings": False,
         }
-
-    def _hybrid_config(self) -> dict[str, Any]:
-        """Qwen3-Next geometry at this size: dense MLPs, a linear-attention layer before
-        each full-attention one, the same attention head_dim and KV heads as the llama."""
-        heads = self.num_heads
-        return {
-            "model_type": "qwen3_next", "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "linear_num_value_heads": 2, "linear_num_key_heads": 1,
-            "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-            "linear_conv_kernel_dim": 4, "num_experts": 0, "num_experts_per_tok": 1,
-            "decoder_sparse_step": 1, "shared_expert_intermediate_size": self.intermediate_size,
-            "mlp_only_layers": list(range(self.num_layers)), "moe_intermediate_size": 32,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-            "vocab_size": len(vocabulary()), "max_position_embeddings": 4 * self.seq_len,
-            "full_attention_interval": 2, "tie_word_embeddings": False,
-        }
+        if self.model_type == "qwen3_next":  # a GatedDeltaNet layer before each attention one
+            cfg.update(model_type="qwen3_next", rms_norm_eps=1e-6, linear_num_value_heads=2,
+                       linear_num_key_heads=1, linear_key_head_dim=64, linear_value_head_dim=64,
+                       linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=1,
+                       decoder_sparse_step=1, moe_intermediate_size=32, full_attention_interval=2,
+                       shared_expert_intermediate_size=self.intermediate_size,
+                       mlp_only_layers=list(range(self.num_layers)), partial_rotary_factor=0.25)
+        return cfg
 
     def fingerprint(self) -> str:
-        fields = asdict(self)
-        if fields["model_type"] == "llama":  # the llama's builds predate the field
-            del fields["model_type"]
+        # (the llama's builds predate model_type: its fingerprint leaves it out)
+        fields = {k: v for k, v in asdict(self).items() if (k, v) != ("model_type", "llama")}
         blob = json.dumps(fields, sort_keys=True) + _corpus_hash()
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -146,8 +130,7 @@ class ModelSpec:
 SPEC = ModelSpec()
 #: A seconds-long build for tests (barely trained; enough to order the bit widths).
 QUICK_SPEC = replace(SPEC, num_heads=1, seq_len=96, batch_size=4, steps=25, warmup=5)
-#: The trained hybrid ``kvplugin bench --quality --hybrid`` measures the state codec on:
-#: GatedDeltaNet, then attention (its recurrent state is what a hybrid entry carries)
+#: The trained hybrid ``kvplugin bench --quality --hybrid`` measures the state codec on
 HYBRID_SPEC = replace(SPEC, model_type="qwen3_next")
 QUICK_HYBRID_SPEC = replace(QUICK_SPEC, model_type="qwen3_next")
 
@@ -349,9 +332,7 @@ def default_model_dir(spec: ModelSpec = SPEC) -> Path:
 
 
 def _new_model(spec: ModelSpec):
-    import importlib
-
-    arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
+    arch = __import__(f"mlx_lm.models.{spec.model_type}", fromlist=["Model"])
     return arch.Model(arch.ModelArgs.from_dict(spec.model_config()))
 
 
@@ -500,11 +481,9 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("directory", nargs="?", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="the seconds-long test model")
     p.add_argument("--force", action="store_true", help="retrain even if built")
-    p.add_argument("--hybrid", action="store_true",
-                   help="the hybrid (GatedDeltaNet + attention) model of the state codec")
+    p.add_argument("--hybrid", action="store_true", help="the hybrid model (state codec)")
     args = p.parse_args(argv)
-    spec = ((QUICK_HYBRID_SPEC if args.quick else HYBRID_SPEC) if args.hybrid
-            else QUICK_SPEC if args.quick else SPEC)
+    spec = [[SPEC, QUICK_SPEC], [HYBRID_SPEC, QUICK_HYBRID_SPEC]][args.hybrid][args.quick]
     last = [time.perf_counter()]
 
     def progress(i: int, loss: float) -> None:
