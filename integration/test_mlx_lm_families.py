@@ -7,7 +7,7 @@ workload on a stock server, on kvplugin (fp16) and on kvplugin with
 the 128-token sliding windows and chunks, so they wrap), then two concurrent conversations on
 the same system prompt, then a fourth. Checked: answers equal stock's, prompt tokens reused
 >= stock's (the server's own ``usage.prompt_tokens_details.cached_tokens``), entries stored
-(and quantized where the layers hold K/V), and no contamination (a concurrent conversation
+(and quantized: K/V layers and recurrent state, a hybrid 8-bit entry >= 1.8x smaller), and no contamination (a concurrent conversation
 answers as it does alone on stock).
 
 Why: state-space (Mamba) and nested (Falcon-H1) entries used to be never stored; MLA
@@ -36,6 +36,8 @@ ONLY = {"0.32.1": {"falcon_h1"}}
 FAMS = [f for f in FAMILIES if available(f, VERSION) and f in ONLY.get(VERSION, FAMILIES)]
 # layers holding K/V somewhere (quantized entries expected); the rest are recurrent-only
 HAS_KV = {"deepseek_v3", "gemma3_text", "gpt_oss", "qwen3_next", "falcon_h1", "llama4"}
+# recurrent state in every entry (quantized with the entry at 8 bits, --kv-cache-quantize-state)
+RECURRENT = {"mamba", "qwen3_next", "falcon_h1"}
 # Mamba ignores left padding when requests are batched, so even stock answers a batched
 # conversation differently than alone: its contamination control cannot hold on any server.
 NO_BATCH_CONTROL = {"mamba"}
@@ -105,10 +107,13 @@ def test_family_is_stored_reused_and_answers_like_stock(family, start_server):
         qgot = workload(quantized)  # starts and serves: an MLA model is checked per width
         qstats = _stored(quantized, 8)
         assert qstats["entries_stored"] >= 8 and reused(qgot) >= reused(want), (qstats, qgot)
-        if name in HAS_KV:  # K/V layers, rotating and chunked included: stored quantized
-            assert qstats["entries_quantized"] >= 1, qstats
-        else:  # recurrent state stays full precision, and is still stored
-            assert qstats["entries_quantized"] == 0, qstats
+        # K/V layers (rotating and chunked included) and recurrent state: stored quantized
+        assert qstats["entries_quantized"] >= 1, qstats
+        if name in RECURRENT:  # 8-bit entries whose state is quantized too: >= 1.8x smaller
+            full = {e["tokens"]: e["nbytes"] for e in stats["entries"]}
+            same = [(e["nbytes"], full[e["tokens"]]) for e in qstats["entries"]
+                    if e["tokens"] in full]
+            assert same and all(q * 1.8 <= f for q, f in same), (name, same)
     finally:
         for srv in servers:  # one family's servers at a time
             srv.stop()
@@ -140,7 +145,7 @@ def test_bounded_chunked_conversation_says_why_its_next_turn_misses(start_server
 def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
         start_server, tmp_path):
     """Gemma 3's sliding-window layers are stored quantized (QuantizedRotatingKVCache; at 4
-    bits with the default codec: rotated, per token); the SSD tier used to refuse them. Now an
+    bits with the default codec, as the global layers); the SSD tier used to refuse them. Now an
     evicted system-prompt entry spills, and a new server on the same directory serves the next
     conversation's system prompt from the file."""
     from kvplugin.tools.bench.families import SYSTEM
@@ -148,7 +153,7 @@ def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
     model = build_family_model("gemma3_text", tmp_path / "model")
     ssd = tmp_path / "ssd"
     flags = ("--kv-cache-quantization-bits", "4", "--kv-cache-min-quantize-tokens", "0",
-             "--ssd-cache-dir", str(ssd), "--prompt-cache-bytes", "100000")
+             "--ssd-cache-dir", str(ssd), "--prompt-cache-bytes", "150000")
 
     def ask(srv, question):
         return srv.chat([{"role": "system", "content": SYSTEM},
@@ -161,9 +166,11 @@ def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
         assert stats["store_spills"] >= 1 and stats["entries_quantized"] >= 2, stats
         assert stats["cold_tier"]["refused"] == 0, stats["cold_tier"]
         kinds = {k for e in stats["entries"] for k in e["layers"]}
-        assert "QuantizedRotatingKVCache" in kinds, kinds
-        # windows rotated per token, global layers per channel with protected tokens
-        assert "rotated-channel-k4v4-s4r16+rotated-k4v4" in stats["bytes_stored_by_codec"], stats
+        assert "QuantizedRotatingKVCache" in kinds, stats
+        # every layer per channel with protected tokens: the wrapped windows (keep 0) their
+        # newest slots, the global layers their sinks too
+        assert ("rotated-channel-k4v4-s0r16+rotated-channel-k4v4-s4r16"
+                in stats["bytes_stored_by_codec"]), stats
     finally:
         first.stop()
     second = start_server(harness.mlx_lm_server_cmd, *flags, model_dir=model)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CODECS", "CHOICES", "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan",
-           "UnknownCodec", "codec_plan"]
+           "UnknownCodec", "codec_plan", "fitting_codec"]
 
 CODECS = ("affine", "rotated", "rotated-channel", "rotated-channel-sym")  # what
 # kvplugin.cache.quantize can read
@@ -63,6 +63,7 @@ class CodecPlan:
     group_size: int
     sink_tokens: int
     recent_tokens: int
+    quantize_state: bool = True  # recurrent state rotated at 8 bits (quantize_state.py)
 
     @property
     def name(self) -> str:
@@ -90,4 +91,20 @@ def codec_plan(settings: Any) -> CodecPlan:
     if settings.kv_cache_recent_tokens is not None:
         recent = settings.kv_cache_recent_tokens
     return CodecPlan(codec, key_bits, value_bits,
-                     settings.kv_cache_quantization_group_size, sink, recent)
+                     settings.kv_cache_quantization_group_size, sink, recent,
+                     getattr(settings, "kv_cache_quantize_state", True))
+
+
+def fitting_codec(codec: str, key_width: int, value_width: int) -> str:
+    """``codec``, or what layers of these widths can take: the rotated codecs need
+    power-of-two widths (a Hadamard; ``affine`` otherwise), per-channel keys a multiple of 32
+    (``rotated`` otherwise). ``auto`` falls back so, silently; a codec the user named is
+    refused at start-up where it would fall back (``kvplugin.cache.service.startup_checks``)."""
+    def power_of_two(w: int) -> bool:
+        return w > 0 and w & (w - 1) == 0
+
+    if codec != "affine" and not (power_of_two(key_width) and power_of_two(value_width)):
+        return "affine"
+    if codec in ("rotated-channel", "rotated-channel-sym") and key_width % 32:
+        return "rotated"
+    return codec

@@ -126,7 +126,9 @@ class KVPluginSettings(BaseSettings):
         "per channel in groups of group-size tokens), rotated-channel-sym (the same, values "
         "with a scale and no minimum: smaller), or auto: "
         "affine from 6 key bits on, rotated-channel below, rotated-channel-sym at 3 bits and "
-        "below (the best measured, docs/benchmarks.md).",
+        "below (the best measured, docs/benchmarks.md). Sliding-window and --max-kv-size "
+        "layers take the same codec. A named codec the model's head dimension cannot take "
+        "stops the server; auto falls back (affine for non-power-of-two head dims).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},
     )
     kv_cache_key_bits: int | None = Field(
@@ -152,6 +154,11 @@ class KVPluginSettings(BaseSettings):
         "precision besides. Default: 16 with the rotated codecs below 6 bits (6 with "
         "rotated-channel-sym), else 0.",
         json_schema_extra={"allowed": "an integer >= 0"},
+    )
+    kv_cache_quantize_state: bool = Field(
+        True,
+        description="With quantization on, also store recurrent state (Mamba, GatedDeltaNet, "
+        "Falcon-H1's SSM half) rotated at 8 bits; off: kept at full precision.",
     )
     kv_cache_min_quantize_tokens: int = Field(
         256,
@@ -249,6 +256,7 @@ class KVPluginSettings(BaseSettings):
     )
 
     @field_validator("kv_cache_quantization", "hot_cache_only", "kv_cache_require_salt",
+                     "kv_cache_quantize_state",
                      mode="before")
     @classmethod
     def _strict_bool(cls, v: Any) -> Any:

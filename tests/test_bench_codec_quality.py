@@ -50,11 +50,13 @@ def test_codec_bench_reports_every_codec(tmp_path, capsys):
         assert (out / "codecs-pareto.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("family", [None, "mamba"])
-def test_codec_bench_runs_on_a_users_model_directory(family, tmp_path, capsys):
-    """``--model DIR``: the same bench on another model (here the offline KV-heavy llama; its
-    weights are random, so only the deterministic bytes are asserted). A model whose layers
-    are not plain attention caches is refused before any work, naming the layers."""
+@pytest.mark.parametrize("family,max_kv", [(None, None), ("mamba", None),
+                                            ("gemma3_text", None), (None, 64)])
+def test_codec_bench_runs_on_any_model_directory(family, max_kv, tmp_path):
+    """``--model DIR``: the same bench on any mlx-lm model (here offline random-weight ones:
+    only the deterministic bytes are asserted), ``--max-kv-size`` bounding every layer.
+    Where the entry cannot be cut back (recurrent state, a wrapped window) the prefix-cut
+    columns are empty and the note says why."""
     from kvplugin.tools.models.families import build_family_model
     from kvplugin.tools.models.kv_heavy import build_kv_heavy_model
 
@@ -63,14 +65,63 @@ def test_codec_bench_runs_on_a_users_model_directory(family, tmp_path, capsys):
     argv = ["bench", "--quality", "--real-model", "--model", str(model), "--prompts", "1",
             "--prompt-tokens", "129", "--continuation-tokens", "4",
             "--codecs", "affine-k8v8-g64-s0r0", "--out", str(out)]
-    if family is not None:
-        with pytest.raises(SystemExit, match="ArraysCache layers; this bench compares plain"):
-            cli.main(argv)
-        assert not out.exists()
-        return
+    if max_kv:
+        argv += ["--max-kv-size", str(max_kv)]
     assert cli.main(argv) == 0
     data = json.loads((out / "codecs.json").read_text())
-    assert data["title"].startswith(f"{model.name} (float32 weights), 1 real-text window")
+    assert data["title"].startswith(f"{model.name} (")
+    assert ", 1 real-text window" in data["title"]
     (row,) = data["rows"]
     assert row["codec"] == "affine-k8v8-g64-s0r0"
-    assert row["bytes_vs_fp16"] == pytest.approx(8 / 16 + 2 / 64)
+    assert (row["key_bits"], row["value_bits"], row["default_for_bits"]) == (8, 8, 8)
+    assert 0 <= row["free_running"] <= 1 and row["restore_ms_per_mib"] > 0
+    if family == "mamba":  # nothing but recurrent state: stored as it is (its own codec aside)
+        assert data["note"] == "prefix_kl columns empty: recurrent state cannot be cut back"
+        assert row["prefix_kl"] is None
+    elif family == "gemma3_text" or max_kv:  # windows of 128 / 64 tokens: wrapped
+        assert data["note"] == "prefix_kl columns empty: a wrapped window cannot be cut back"
+        assert row["prefix_kl"] is None and row["bytes_vs_fp16"] < 0.6
+    else:
+        assert data["note"] is None and row["prefix_kl"] >= 0
+        assert row["bytes_vs_fp16"] == pytest.approx(8 / 16 + 2 / 64)
+
+
+def test_the_default_codecs_are_what_the_settings_resolve():
+    """``--codecs defaults`` (the default) names the codec each bit width resolves to."""
+    from kvplugin.codecs import codec_plan
+    from kvplugin.settings import resolve_settings
+    from kvplugin.tools.bench.codec_quality import default_codecs
+
+    got = default_codecs()
+    assert sorted(got.values()) == [3, 4, 8]
+    for spec, bits in got.items():
+        plan = codec_plan(resolve_settings({"kv_cache_quantization_bits": bits}))
+        assert spec == (f"{plan.codec}-k{plan.key_bits}v{plan.value_bits}-g{plan.group_size}"
+                        f"-s{plan.sink_tokens}r{plan.recent_tokens}")
+
+
+def test_pre_rope_keys_follow_each_slot_of_a_wrapped_ring():
+    """``+prerope``: a ring's slots hold positions out of order; undoing RoPE at each slot's
+    position and redoing it gives the keys back, and a key computed at position p comes out
+    as the unrotated key."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from kvplugin.tools.bench.codec_quality import _rope_keys, _slot_positions
+
+    ring, raw = RotatingKVCache(8, 2), []
+    rope = (16, 10000.0, 1.0, False)
+    for p in range(21):  # one token at a time: wraps in place
+        k = mx.random.normal((1, 1, 1, 16), key=mx.random.key(p))
+        raw.append(k)
+        turned = mx.fast.rope(k, 16, traditional=False, base=10000.0, scale=1.0, offset=p)
+        ring.update_and_fetch(turned, turned)
+    positions = _slot_positions(ring)
+    assert sorted(positions) == [0, 1] + list(range(15, 21))
+    assert positions[ring._idx - 1] == 20
+    before = ring.keys
+    _rope_keys([ring], [rope], -1.0)
+    for slot, p in enumerate(positions):
+        assert mx.allclose(ring.keys[..., slot, :], raw[p][..., 0, :], atol=1e-5)
+    _rope_keys([ring], [rope], 1.0)
+    assert mx.allclose(ring.keys, before, atol=1e-5)

@@ -184,13 +184,13 @@ def test_session_hits_known_codec_and_misses_unknown(unknown):
 
 
 def test_bench_codec_specs_parse_and_reject_garbage():
-    from kvplugin.tools.bench.codec_quality import DEFAULT_CODECS, parse_codec
+    from kvplugin.tools.bench.codec_quality import CANDIDATE_CODECS, parse_codec
 
     assert parse_codec("rotated-k4v3-g64-s4r32") == dict(
         codec="rotated", bits=4, value_bits=3, group_size=64, sink_tokens=4, recent_tokens=32)
     assert parse_codec("rotated-channel-k4v4-g64-s4r0")["codec"] == "rotated-channel"
     assert parse_codec("rotated-channel-sym-k3v3-g64-s4r6")["codec"] == "rotated-channel-sym"
-    assert {parse_codec(s)["codec"] for s in DEFAULT_CODECS} == {
+    assert {parse_codec(s)["codec"] for s in CANDIDATE_CODECS} == {
         "affine", "rotated", "rotated-channel", "rotated-channel-sym"}
     with pytest.raises(ValueError, match="CODEC-kKvV"):
         parse_codec("turbo-k4")

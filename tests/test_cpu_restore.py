@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvplugin.cache import cpu_restore, quantize
+from kvplugin.cache import cpu_restore, quantize_rows
 from kvplugin.cache.quantize import dequantize_entry, quantize_entry
 
 H, D = 2, 64
@@ -31,7 +31,7 @@ def _entry(n: int, dtype, seed: int = 0) -> list:
 
 def _restored(stored: list, monkeypatch, numpy_path: bool) -> KVCache:
     with monkeypatch.context() as m:
-        m.setattr(quantize, "restores_here", lambda codec, kbits, vbits: numpy_path)
+        m.setattr(quantize_rows, "restores_here", lambda codec, kbits, vbits: numpy_path)
         return dequantize_entry(list(stored))[0]
 
 
@@ -95,7 +95,7 @@ def test_a_real_restore_takes_the_numpy_path_on_the_cpu(monkeypatch):
     affine and 3-bit to MLX's kernels."""
     taken = []
     real = cpu_restore.restore_layer
-    monkeypatch.setattr(quantize, "restore_layer", lambda *a: taken.append(a[1]) or real(*a))
+    monkeypatch.setattr(quantize_rows, "restore_layer", lambda *a: taken.append(a[1]) or real(*a))
     for codec, bits in (("rotated-channel", 4), ("affine", 8), ("rotated-channel", 3)):
         stored = quantize_entry(_entry(80, mx.float16), bits=bits, group_size=64, codec=codec,
                                 ).cache

@@ -75,20 +75,21 @@ def _rel_error(a: mx.array, b: mx.array) -> float:
     return (mx.linalg.norm((a - b).flatten()) / mx.linalg.norm(b.flatten())).item()
 
 
-def test_a_rotated_codec_rotates_window_slots_and_loses_less_than_affine():
-    """The entry's codec reaches its sliding-window layers too (rotated, per token: a ring is
-    not in token order), recorded on the layer, and spreads the large channels."""
+def test_the_whole_codec_reaches_window_slots_and_loses_less_than_affine():
+    """The entry's codec reaches its sliding-window layers too, recorded on the layer:
+    rotated, keys per channel over the ring's slots."""
     from kvplugin.codecs import CODEC_ATTR
 
     layer = _outlier_window()
     errors = {}
-    for codec in ("affine", "rotated-channel"):
+    for codec in ("affine", "rotated", "rotated-channel"):
         (q,) = quantize_entry([layer], bits=4, group_size=64, codec=codec).cache
-        assert getattr(q, CODEC_ATTR) == ("affine" if codec == "affine" else "rotated")
+        assert getattr(q, CODEC_ATTR) == codec
         (back,) = dequantize_entry([q])
         assert (back._idx, back.offset, back.keys.dtype) == (layer._idx, layer.offset,
                                                                layer.keys.dtype)
         errors[codec] = _rel_error(back.keys, layer.keys)
+    assert errors["rotated"] < 0.6 * errors["affine"], errors
     assert errors["rotated-channel"] < 0.6 * errors["affine"], errors
 
 
@@ -133,3 +134,122 @@ def test_the_ssd_tier_writes_and_reads_back_a_quantized_rotating_entry_exactly(c
     back, want = dequantize_entry(got)[0], dequantize_entry(entry)[0]
     assert type(back) is cls and (back._idx, back.offset) == (want._idx, want.offset)
     assert mx.array_equal(back.keys, want.keys) and mx.array_equal(back.values, want.values)
+
+
+def _numbered(cls, n: int, max_size: int = 64, keep: int = 4, prefill: int = 1):
+    """A ring whose every key and value holds its token's position in channel 0 (and noise
+    with per-channel offsets elsewhere): which slot holds which token can be read back."""
+    layer = cls(max_size, keep)
+    pos = 0
+    while pos < n:
+        step = prefill if pos == 0 else 1  # a multi-token prefill, then one token at a time
+        noise = mx.random.normal((1, 2, step, 64), key=mx.random.key(pos))
+        noise = noise + mx.arange(64, dtype=mx.float32) / 8  # channels with their own offset
+        at = mx.arange(pos, pos + step, dtype=mx.float32).reshape(1, 1, step, 1)
+        k = mx.concatenate([mx.broadcast_to(at, (1, 2, step, 1)), noise[..., 1:]], axis=-1)
+        layer.update_and_fetch(k, k * -0.5)
+        pos += step
+    mx.eval(layer.keys, layer.values)
+    return trim_entry([layer])[0]
+
+
+def _positions(layer) -> list[int]:
+    return [int(x) for x in layer.keys[0, 0, :, 0].tolist()]
+
+
+@pytest.mark.parametrize("cls", [RotatingKVCache, PreallocatedRotatingKVCache])
+@pytest.mark.parametrize("n,prefill,keep", [(40, 1, 4), (150, 1, 4), (150, 1, 0), (150, 100, 4),
+                                            (64, 1, 4), (71, 1, 4)])
+@pytest.mark.parametrize("codec,kbits,vbits", [("rotated-channel", 4, 4),
+                                               ("rotated-channel-sym", 3, 3),
+                                               ("rotated-channel", 8, 4), ("affine", 8, 8)])
+def test_the_keep_and_the_newest_tokens_come_back_exactly_wherever_the_ring_holds_them(
+        cls, n, prefill, keep, codec, kbits, vbits):
+    """Before and after the ring wraps, with the newest tokens wrapping past the ring's end
+    or not, after a multi-token prefill or one token at a time: the ``keep`` tokens (the
+    first sink tokens while the ring is in order) and the newest 16 are stored at full
+    precision and come back bit for bit; the layer comes back as the same class, slots,
+    ``_idx``, ``offset``, ``keep`` and ``max_size``, and every other slot within the codec's
+    error."""
+    from kvplugin.cache.quantize import codec_name
+
+    layer = _numbered(cls, n, keep=keep, prefill=prefill)
+    sink = 0 if codec == "affine" else 4
+    recent = 0 if codec == "affine" else 16
+    (q,) = quantize_entry([layer], bits=kbits, value_bits=vbits, group_size=64, codec=codec,
+                          sink_tokens=sink, recent_tokens=recent).cache
+    (back,) = dequantize_entry([q])
+    assert type(back) is cls
+    assert (back.offset, back._idx, back.keep, back.max_size, back.keys.shape) == (
+        layer.offset, layer._idx, layer.keep, layer.max_size, layer.keys.shape)
+    positions = _positions(layer)
+    wrapped = layer.offset > len(positions)
+    head = set(range(keep if wrapped else max(keep, sink))) if sink else set()
+    want = head | set(range(layer.offset - recent, layer.offset))
+    exact = {p for p, a, b in zip(positions, _slots(layer.keys), _slots(back.keys)) if a == b}
+    exact_v = {p for p, a, b in zip(positions, _slots(layer.values), _slots(back.values))
+               if a == b}
+    assert want & set(positions) <= exact and want & set(positions) <= exact_v
+    tol = {8: 0.02, 4: 0.15, 3: 0.3}
+    assert _rel_error(back.keys, layer.keys) < tol[kbits]
+    assert _rel_error(back.values, layer.values) < tol[vbits]
+    name = codec_name(q)
+    assert name.startswith(f"{codec}-k{kbits}v{vbits}")
+    if recent:
+        assert name.endswith(f"r{min(recent, len(positions) - len(head))}")
+
+
+def _slots(x: mx.array) -> list:
+    return [x[:, :, i, :].tolist() for i in range(x.shape[-2])]
+
+
+def test_protected_slots_follow_the_ring_back_from_the_newest_and_wrap_past_its_end():
+    from kvplugin.cache.quantize_rotating import protected_slots
+
+    # in order (never wrapped): the first sink tokens and the last recent ones
+    assert protected_slots(40, 40, 4, 40, 4, 16) == [(0, 4), (24, 16)]
+    assert protected_slots(40, 40, 0, 40, 4, 16) == [(0, 4), (24, 16)]
+    # wrapped, newest at slot 29: slots 14..29; keep 0 has no head
+    assert protected_slots(150, 64, 0, 30, 4, 16) == [(0, 0), (14, 16)]
+    # wrapped, newest at slot 9 of a ring [4, 64): 4..9, then 54..63 past the end
+    assert protected_slots(150, 64, 4, 10, 4, 16) == [(0, 4), (4, 6), (54, 10)]
+    # a codec that protects no sinks protects no keep slots either
+    assert protected_slots(150, 64, 4, 10, 0, 0) == [(0, 0), (10, 0)]
+
+
+def test_per_channel_keys_over_a_ring_lose_less_than_per_token_groups():
+    """Keys whose channels each have their own offset and spread (as real keys do): groups
+    of slots per channel fit them better than per-token groups, whatever the ring's order."""
+    layer = _numbered(RotatingKVCache, 300, keep=4)
+    errors = {}
+    for codec in ("rotated", "rotated-channel"):
+        (back,) = dequantize_entry(quantize_entry([layer], bits=4, group_size=64, codec=codec,
+                                                  sink_tokens=4, recent_tokens=16).cache)
+        errors[codec] = _rel_error(back.keys, layer.keys)
+    assert errors["rotated-channel"] < 0.8 * errors["rotated"], errors
+
+
+@pytest.mark.parametrize("damage", ["codec", "seed", "value_bits", "protected", "scales",
+                                    "boundary"])
+def test_a_damaged_or_unknown_window_record_is_a_miss(damage):
+    from kvplugin.cache.quantize_rows import BOUNDARY_ATTR, RECENT_ATTR
+    from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, VALUE_BITS_ATTR, UnknownCodec
+
+    (q,) = quantize_entry([_numbered(RotatingKVCache, 150)], bits=4, group_size=64,
+                          codec="rotated-channel", sink_tokens=4, recent_tokens=16).cache
+    dequantize_entry([q])  # as stored: read back
+    if damage == "codec":
+        setattr(q, CODEC_ATTR, "rotated-channel-v9")
+    elif damage == "seed":
+        setattr(q, SEED_ATTR, 1.5)
+    elif damage == "value_bits":
+        setattr(q, VALUE_BITS_ATTR, 7)
+    elif damage == "protected":
+        setattr(q, RECENT_ATTR, getattr(q, RECENT_ATTR) + 1)
+    elif damage == "scales":
+        more = [mx.concatenate([x, x], axis=-2) for x in q.keys[1:3]]  # a group too many
+        q.keys = (q.keys[0], *more, q.keys[3])
+    else:
+        setattr(q, BOUNDARY_ATTR, "60:9")
+    with pytest.raises(UnknownCodec):
+        dequantize_entry([q])

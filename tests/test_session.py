@@ -381,3 +381,18 @@ def test_active_line_says_what_is_on(pm):
     assert "64 MiB, 5 entries" in line and "8-bit entries, group 64" in line
     assert "codec affine-k8v8;" in line  # what --kv-cache-codec auto chose, said at start-up
     assert "max-kv-size: 256 tokens" in line and "GET /kvplugin/stats" in line
+
+
+def test_a_named_codec_the_model_cannot_take_is_refused_naming_flag_and_env():
+    """Head dimension 96 (no Hadamard): ``rotated-channel`` named by the user is refused at
+    start-up, not stored as ``affine``; ``auto`` falls back silently, ``affine`` fits."""
+    model = {"args": {"hidden_size": 384, "num_attention_heads": 4}}  # head dim 96
+    named = resolve_settings({"kv_cache_quantization": True, "kv_cache_codec": "rotated-channel",
+                              "kv_cache_quantization_group_size": 32})
+    msg = model_problem(model, named, {"kv_cache_codec"})
+    assert "got --kv-cache-codec rotated-channel" in msg and "KVPLUGIN_KV_CACHE_CODEC" in msg
+    assert "can only take affine" in msg
+    for codec in ("auto", "affine"):
+        fits = resolve_settings({"kv_cache_quantization": True, "kv_cache_codec": codec,
+                                 "kv_cache_quantization_group_size": 32})
+        assert model_problem(model, fits, {"kv_cache_codec"}) is None

@@ -147,8 +147,8 @@ def test_every_family_runs_from_a_default_4bit_entry_read_back_from_the_tier(fam
     flat = [c for layer in q for c in getattr(layer, "caches", [layer])]
     codecs = {(type(c).__name__, getattr(c, CODEC_ATTR)) for c in flat if hasattr(c, CODEC_ATTR)}
     want = set() if family == "mamba" else {("QuantizedKVCache", "rotated-channel")}
-    if family in ("gemma3_text", "gpt_oss"):  # their sliding windows: rotated per token
-        want.add(("QuantizedRotatingKVCache", "rotated"))
+    if family in ("gemma3_text", "gpt_oss"):  # their sliding windows: the same codec
+        want.add(("QuantizedRotatingKVCache", "rotated-channel"))
     assert codecs == want, codecs
     tier = SSDTier(tmp_path / "kv", 1 << 30)
     assert tier.put("m", tokens, q)

@@ -155,7 +155,8 @@ def restore_layer(layer: Any, codec: str, seed: int, n: int, vbits: int, kept: l
     kept spinning after each GEMM and slowed the host's next MLX matmuls ~1.8x (measured),
     for a GEMM that one core does in ~1 ms per layer.
     """
-    from kvplugin.cache.quantize import CHANNEL_KEYS, SYM, _restore_protected
+    from kvplugin.cache.quantize_rows import CHANNEL_KEYS, SYM
+    from kvplugin.cache.quantize_rows import restore_protected as _restore_protected
 
     restore_keys = _per_channel if codec in CHANNEL_KEYS else _per_token
     restore_values = _symmetric if codec == SYM else _per_token

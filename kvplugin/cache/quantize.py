@@ -26,17 +26,18 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
-from kvplugin.cache.cpu_restore import dequantize, restore_layer, restores_here
 from kvplugin.cache.lanes import in_lanes
-from kvplugin.cache.row_chunks import CHUNK_SHARE, in_row_chunks, used_bytes
+from kvplugin.cache.row_chunks import CHUNK_SHARE, used_bytes
 from kvplugin.cache.model.widths import (ALLOWED_GROUP_SIZES, cache_widths, head_dim_of,
                                          validate_group_size_for_model)
 from kvplugin.cache.layers import is_quantizable, with_children
+from kvplugin.cache.quantize_rows import (ALLOWED_BITS, BOUNDARY_ATTR, CHANNEL_KEYS,
+                                          DTYPE_ATTR, RECENT_ATTR, RECENT_START_ATTR,
+                                          SINK_ATTR, SYM, check_record, codec_arrays,
+                                          dtype_name, encode_rows, fitting_codec,
+                                          protect_rows, protected_ranges, restore_rows)
 from kvplugin.codecs import (CODEC_ATTR, CODECS, SEED_ATTR, VALUE_BITS_ATTR, CodecPlan,
                              UnknownCodec)
-
-SYM = "rotated-channel-sym"  # rotated-channel with scale-only values (kvplugin.cache.symmetric)
-CHANNEL_KEYS = ("rotated-channel", SYM)  # the codecs whose keys are per channel
 
 __all__ = [
     "ALLOWED_BITS",
@@ -55,25 +56,14 @@ __all__ = [
     "codec_arrays",
 ]
 
-ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
-DTYPE_ATTR = "kvplugin_dtype"
-# What a stored layer records about its codec (scalars: they ride along in the SSD file's
-# layer attributes, see kvplugin.cache.tiers.serialize): CODEC_ATTR, SEED_ATTR and VALUE_BITS_ATTR
-# (kvplugin.codecs; a layer without CODEC_ATTR is ``affine``), and
-# Protected tokens: the first SINK_ATTR tokens and RECENT_ATTR tokens from RECENT_START_ATTR
-# on are kept at full precision as a 4th array of the keys/values tuples (sinks then recent),
-# and written over the dequantized rows. A later trim shortens w/scales/biases only; rows
-# past the offset are then simply not copied back.
-SINK_ATTR = "kvplugin_sink_tokens"
-RECENT_ATTR = "kvplugin_recent_tokens"
-RECENT_START_ATTR = "kvplugin_recent_start"
-# Rows before earlier prompt boundaries, kept at full precision too, between the sinks and the
-# recent rows: "start:count,start:count" (ascending, disjoint). Why: a repeated or edited turn
-# reuses a *prefix* of a later entry, and then these are its last tokens, the ones the next
-# token attends to most (docs/benchmarks.md, "Prompt boundaries"). The 4th array holds every
-# protected row in position order, so cutting it to its first m rows (a trim, a prefix copy)
-# keeps exactly the protected rows below m.
-BOUNDARY_ATTR = "kvplugin_boundary_rows"
+# What a stored layer records about its codec: kvplugin.cache.quantize_rows. Protected
+# tokens: the first sinks, the rows before earlier prompt boundaries and the recent rows kept
+# at full precision as a last array, written over the dequantized rows. Why the boundary
+# rows: a repeated or edited turn reuses a *prefix* of a later entry, and then these are its
+# last tokens, the ones the next token attends to most (docs/benchmarks.md, "Prompt
+# boundaries"). The last array holds every protected row in position order, so cutting it
+# to its first m rows (a trim, a prefix copy) keeps exactly the protected rows below m; a
+# later trim shortens the codec's arrays only, and rows past the offset are not copied back.
 
 
 @dataclass
@@ -120,10 +110,6 @@ def _boundary_ranges(boundaries: Any, width: int, low: int, high: int) -> list[t
     return [(a, e - a) for a, e in ranges]
 
 
-def _protected(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
-    return mx.concatenate([x[..., a : a + c, :] for a, c in ranges], axis=-2)
-
-
 def _quantize_layer(
     layer: KVCache,
     bits: int,
@@ -146,16 +132,12 @@ def _quantize_layer(
     holds this entry's first tokens (see :func:`_reusable_rows`). ``chunk_bytes``: encode
     the keys and the values in row chunks of at most this many input bytes
     (:func:`kvplugin.cache.row_chunks.in_row_chunks`)."""
-    from kvplugin.cache import channel, rotation
+    from kvplugin.cache import rotation
 
     n = layer.offset
     keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
     vbits = bits if value_bits is None else value_bits
-    widths = (keys.shape[-1], values.shape[-1])
-    if codec != "affine" and not all(rotation.rotatable(w) for w in widths):
-        codec = "affine"
-    if codec in CHANNEL_KEYS and keys.shape[-1] % 32:  # (the group divides both)
-        codec = "rotated"
+    codec = fitting_codec(codec, keys.shape[-1], values.shape[-1])
     q = QuantizedKVCache(group_size=group_size, bits=bits)
     if codec != "affine":
         setattr(q, SEED_ATTR, rotation.CODEC_SEED)
@@ -164,26 +146,8 @@ def _quantize_layer(
     # codec's cost then follows the tokens a turn adds, not the conversation's length, and
     # every row is quantized once, from the values the model computed.
     key_rows = reused // group_size * group_size if codec in CHANNEL_KEYS else reused
-    keys, values = keys[..., key_rows:, :], values[..., reused:, :]
-
-    def encode_keys(k: mx.array) -> tuple:
-        k = k if codec == "affine" else rotation.rotate(k)
-        if codec in CHANNEL_KEYS:
-            return channel.quantize_channels(k, group_size, bits)
-        return tuple(mx.quantize(k, group_size=group_size, bits=bits))
-
-    def encode_values(v: mx.array) -> tuple:
-        v = v if codec == "affine" else rotation.rotate(v)
-        if codec == SYM:
-            from kvplugin.cache.symmetric import quantize_symmetric
-
-            return quantize_symmetric(v, group_size, vbits)
-        return tuple(mx.quantize(v, group_size=group_size, bits=vbits))
-
-    # affine is one MLX kernel that holds its output only: nothing to gain from chunks
-    chunk = None if codec == "affine" else chunk_bytes
-    q.keys = in_row_chunks(keys, encode_keys, chunk, group_size)
-    q.values = in_row_chunks(values, encode_values, chunk, group_size)
+    q.keys, q.values = encode_rows(keys[..., key_rows:, :], values[..., reused:, :], codec,
+                                   bits, vbits, group_size, chunk_bytes)
     if key_rows:
         per_group = codec in CHANNEL_KEYS  # scales/minimums: one row per group of tokens
         q.keys = _joined(stored.keys, q.keys, key_rows, key_rows // group_size if per_group
@@ -193,17 +157,9 @@ def _quantize_layer(
     sink = min(sink, n)
     start = max(sink, n - recent)
     between = _boundary_ranges(boundaries, recent, sink, start)
-    if sink or start < n or between:
-        ranges = [(0, sink), *between, (start, n - start)]
-        q.keys += (_protected(layer.keys[..., :n, :], ranges),)
-        q.values += (_protected(layer.values[..., :n, :], ranges),)
-        setattr(q, SINK_ATTR, sink)
-        setattr(q, RECENT_START_ATTR, start)
-        setattr(q, RECENT_ATTR, n - start)
-        if between:
-            setattr(q, BOUNDARY_ATTR, ",".join(f"{a}:{c}" for a, c in between))
+    protect_rows(q, keys, values, [(0, sink), *between, (start, n - start)])
     q.offset = n
-    setattr(q, DTYPE_ATTR, _dtype_name(keys.dtype))
+    setattr(q, DTYPE_ATTR, dtype_name(keys.dtype))
     setattr(q, CODEC_ATTR, codec)
     if vbits != bits:
         setattr(q, VALUE_BITS_ATTR, vbits)
@@ -228,7 +184,7 @@ def _reusable_rows(stored: Any, codec: str, bits: int, vbits: int, group_size: i
     same = (getattr(stored, CODEC_ATTR, "affine") == codec and stored.bits == bits
             and stored.group_size == group_size
             and getattr(stored, VALUE_BITS_ATTR, bits) == vbits
-            and getattr(stored, DTYPE_ATTR, None) == _dtype_name(keys.dtype)
+            and getattr(stored, DTYPE_ATTR, None) == dtype_name(keys.dtype)
             and (codec == "affine" or getattr(stored, SEED_ATTR, None) == CODEC_SEED))
     if not same or not 0 < m <= keys.shape[-2]:
         return 0
@@ -264,6 +220,7 @@ def quantize_entry(
     prompt_boundaries: Any = (),
     stored_prefix: list | None = None,
     chunk_bytes: int | None = None,
+    quantize_state: bool = False,
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
@@ -282,7 +239,8 @@ def quantize_entry(
     than quantized again wherever it was stored with this very codec (plain layers). With
     ``consume`` each of its layers is dropped from that list once used. ``chunk_bytes``:
     the most input bytes one codec pass encodes at once (default: 1/``CHUNK_SHARE`` of the
-    entry's used rows; see :mod:`kvplugin.cache.row_chunks`).
+    entry's used rows; see :mod:`kvplugin.cache.row_chunks`). ``quantize_state``: recurrent
+    state (``ArraysCache``) stored rotated at 8 bits too (:mod:`kvplugin.cache.quantize_state`).
     """
     validate_bits_group(bits, group_size)
     if value_bits is not None:
@@ -292,6 +250,8 @@ def quantize_entry(
     out = cache if consume else list(cache)
     quantized = skipped = 0
     from kvplugin.cache.quantize_rotating import is_rotating_quantizable, quantize_rotating
+    from kvplugin.cache.quantize_state import QuantizedArraysCache, is_state_quantizable
+    from kvplugin.cache.quantize_state import quantize_state as quantize_state_layer
 
     if chunk_bytes is None:
         chunk_bytes = sum(used_bytes(layer) for layer in cache) // CHUNK_SHARE
@@ -306,16 +266,22 @@ def quantize_entry(
                                      sink_tokens=sink_tokens, recent_tokens=recent_tokens,
                                      prompt_boundaries=prompt_boundaries,
                                      stored_prefix=None if kids is None else list(kids),
-                                     chunk_bytes=chunk_bytes)
+                                     chunk_bytes=chunk_bytes, quantize_state=quantize_state)
         if is_quantizable(layer, group_size):
             return i, _quantize_layer(layer, bits, group_size, codec, value_bits, sink_tokens,
                                       recent_tokens, prompt_boundaries, donors[i], chunk_bytes)
-        if is_rotating_quantizable(layer, group_size):  # key bits: windows are short
-            return i, quantize_rotating(layer, bits, group_size, codec)
+        if is_rotating_quantizable(layer, group_size):
+            return i, quantize_rotating(layer, bits, group_size, codec, value_bits, sink_tokens,
+                                        recent_tokens, chunk_bytes)
+        if quantize_state and is_state_quantizable(layer):
+            return i, quantize_state_layer(layer)
         return i, None
 
     def made(result: tuple[int, Any]) -> list:
         q = result[1]
+        if isinstance(q, QuantizedArraysCache):
+            return [a for part in q.cache if part is not None
+                    for a in (part if isinstance(part, tuple) else (part,))]
         return [] if q is None or isinstance(q, QuantizeResult) else list(q.keys + q.values)
 
     for i, q in in_lanes(enumerate(cache), one, made):
@@ -346,10 +312,6 @@ def matches_live(layer: Any, bits: int, group_size: int, start: int) -> bool:
             and isinstance(layer.keys, (tuple, list)) and len(layer.keys) == 3)
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).rsplit(".", 1)[-1]  # "mlx.core.bfloat16" -> "bfloat16"
-
-
 def _original_dtype(layer: QuantizedKVCache) -> Any:
     dtype = getattr(mx, str(getattr(layer, DTYPE_ATTR, "")), None)
     if isinstance(dtype, mx.Dtype):
@@ -359,116 +321,27 @@ def _original_dtype(layer: QuantizedKVCache) -> Any:
     return mx.float16
 
 
-def _dequantize(parts: Any, n: int, group_size: int, bits: int, dtype: Any) -> mx.array:
-    w, scales, biases = (x[..., :n, :] for x in parts[:3])
-    out = dequantize(w, scales, biases, group_size, bits)
-    return out if out.dtype == dtype else out.astype(dtype)
-
-
-def _dequantize_codec(layer: Any, codec: str, n: int, vbits: int, dtype: Any):
-    """The first ``n`` keys and values as the codec stored them (still rotated)."""
-    from kvplugin.cache.channel import dequantize_channels
-    from kvplugin.cache.symmetric import dequantize_symmetric
-
-    group = layer.group_size
-    keys = (dequantize_channels(layer.keys, n, group, layer.bits, dtype)
-            if codec in CHANNEL_KEYS
-            else _dequantize(layer.keys, n, group, layer.bits, dtype))
-    values = (dequantize_symmetric(layer.values, n, group, vbits, dtype) if codec == SYM
-              else _dequantize(layer.values, n, group, vbits, dtype))
-    return keys, values
-
-
-def _protected_ranges(layer: Any) -> list[tuple[int, int]]:
-    """Where a layer's full-precision rows go, in the order it holds them: ``(start, count)``
-    of the sinks, the rows before prompt boundaries, the recent rows. :class:`UnknownCodec`
-    for a record that does not add up."""
-    vals = [getattr(layer, a, None) for a in (SINK_ATTR, RECENT_START_ATTR, RECENT_ATTR)]
-    if not all(_is_int(v) and v >= 0 for v in vals):
-        raise UnknownCodec("protected tokens without a consistent record")
-    sink, start, recent = vals
-    ranges, low = [(0, sink)], sink
-    text = getattr(layer, BOUNDARY_ATTR, "")
-    for item in text.split(",") if isinstance(text, str) and text else ():
-        a, _, c = item.partition(":")
-        if not (a.isdigit() and c.isdigit()) or int(a) < low or int(c) < 1:
-            raise UnknownCodec(f"protected boundary rows {text!r} not ascending and disjoint")
-        ranges.append((int(a), int(c)))
-        low = int(a) + int(c)
-    if not isinstance(text, str) or low > start:
-        raise UnknownCodec(f"protected boundary rows {text!r} past the recent rows")
-    return ranges + [(start, recent)]
-
-
-def codec_arrays(codec: str, name: str) -> int:
-    """Arrays a layer's quantized ``keys`` or ``values`` are stored in before the protected
-    rows: ``(codes, scales, minimums)``, values of ``rotated-channel-sym`` ``(codes, scales)``."""
-    return 2 if codec == SYM and name == "values" else 3
-
-
-def _restore_protected(out: mx.array, kept: mx.array | None, layer: Any, n: int) -> mx.array:
-    """Write the full-precision rows ``kept`` (those still below ``n``, and still held: a
-    prefix copy cuts that array too) over ``out``."""
-    if kept is None:
-        return out
-    row = 0
-    for start, count in _protected_ranges(layer):
-        stop = min(start + count, n, start + max(0, kept.shape[-2] - row))
-        if stop > start:
-            out[..., start:stop, :] = kept[..., row : row + stop - start, :].astype(out.dtype)
-        row += count
-    return out
-
-
 def _codec_of(layer: Any) -> tuple[str, int]:
-    """The layer's recorded codec and seed; :class:`UnknownCodec` for anything else, so that
-    an entry from another kvplugin version is a miss, never misread."""
-    codec = getattr(layer, CODEC_ATTR, "affine")
-    if codec not in CODECS:
-        raise UnknownCodec(f"stored layer has unknown codec {codec!r}")
-    vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
-    if vbits not in ALLOWED_BITS:
-        raise UnknownCodec(f"stored layer has unknown value bits {vbits!r}")
-    seed = getattr(layer, SEED_ATTR, None)
-    if codec != "affine" and not _is_int(seed):
-        raise UnknownCodec(f"{codec} layer without an integer seed")
-    if layer.keys is None:
-        return codec, seed if _is_int(seed) else 0
-    extra = [len(arrays) - codec_arrays(codec, name) if isinstance(arrays, (tuple, list)) else -1
-             for name, arrays in (("keys", layer.keys), ("values", layer.values))]
-    if extra == [1, 1]:
-        held = sum(count for _, count in _protected_ranges(layer))
-        if any(x[-1].shape[-2] > held for x in (layer.keys, layer.values)):  # fewer: cut
-            raise UnknownCodec("protected tokens without a consistent record")
-    elif extra != [0, 0] or hasattr(layer, BOUNDARY_ATTR):
-        raise UnknownCodec(f"stored {codec} layer with {extra} arrays past its codec's")
-    if codec in CHANNEL_KEYS and layer.offset > 0:
-        _check_packed(layer, codec, vbits)
-    return codec, seed if _is_int(seed) else 0
-
-
-def _check_packed(layer: Any, codec: str, vbits: int) -> None:
-    """The per-channel keys (and scale-only values) hold what their record says."""
-    from kvplugin.cache.channel import scale_rows
-
-    words, scales = layer.keys[0], layer.keys[1]
-    if (words.shape[-2] < layer.offset or scales.shape != layer.keys[2].shape
-            or scales.shape[-2] < scale_rows(layer.offset, layer.group_size)
-            or scales.shape[-1] * layer.bits != words.shape[-1] * 32):
-        raise UnknownCodec("per-channel keys whose arrays do not match their record")
-    if codec == SYM:
-        words, scales = layer.values[0], layer.values[1]
-        if (min(words.shape[-2], scales.shape[-2]) < layer.offset
-                or scales.shape[-1] * layer.group_size * vbits != words.shape[-1] * 32):
-            raise UnknownCodec("scale-only values whose arrays do not match their record")
+    """A plain stored layer's codec and seed (:func:`kvplugin.cache.quantize_rows.check_record`
+    over its ``offset`` rows)."""
+    return check_record(layer, layer.offset)
 
 
 def codec_name(layer: Any) -> str:
-    """A stored layer's codec for the per-codec byte counters, e.g. ``rotated-k4v4``."""
+    """A stored layer's codec for the per-codec byte counters, e.g. ``rotated-k4v4``. A ring's
+    newest slots count as recent where they wrap past its end too."""
+    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache
+    from kvplugin.cache.quantize_state import STATE_CODEC, QuantizedArraysCache
+
     kbits = getattr(layer, "bits", None)
+    if type(layer) is QuantizedArraysCache:
+        return f"{STATE_CODEC}-{kbits}bit"
+    sink, recent = getattr(layer, SINK_ATTR, 0), getattr(layer, RECENT_ATTR, 0)
+    if type(layer) is QuantizedRotatingKVCache and hasattr(layer, SINK_ATTR):
+        recent = sum(count for _, count in protected_ranges(layer)) - sink
     return CodecPlan(getattr(layer, CODEC_ATTR, "affine"), kbits,
                      getattr(layer, VALUE_BITS_ATTR, kbits), getattr(layer, "group_size", 0),
-                     getattr(layer, SINK_ATTR, 0), getattr(layer, RECENT_ATTR, 0)).name
+                     sink, recent).name
 
 
 def dequantize_entry(cache: list, *, consume: bool = False) -> list:
@@ -488,12 +361,15 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
     kernels.
     """
     from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, rotating_codec
+    from kvplugin.cache.quantize_state import QuantizedArraysCache, state_record
 
     for layer in cache:
         if type(layer) is QuantizedKVCache:
             _codec_of(layer)
         elif type(layer) is QuantizedRotatingKVCache:
             rotating_codec(layer)
+        elif type(layer) is QuantizedArraysCache:
+            state_record(layer)
     out = cache if consume else list(cache)
     for i, layer in in_lanes(enumerate(cache), _dequantize_one, _restored_arrays):
         out[i] = layer
@@ -502,13 +378,16 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
 
 def _restored_arrays(result: tuple[int, Any]) -> list:
     layer = result[1]
-    return [x for x in (getattr(layer, "keys", None), getattr(layer, "values", None))
-            if isinstance(x, mx.array)]
+    state = getattr(layer, "cache", None)
+    held = (getattr(layer, "keys", None), getattr(layer, "values", None),
+            *(state if isinstance(state, list) else ()))
+    return [x for x in held if isinstance(x, mx.array)]
 
 
 def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
     """One layer of :func:`dequantize_entry` (left unevaluated: the caller evaluates)."""
     from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, dequantize_rotating
+    from kvplugin.cache.quantize_state import QuantizedArraysCache, dequantize_state
 
     i, layer = item
     if type(layer) is CacheList:
@@ -517,6 +396,8 @@ def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
         return i, with_children(layer, children) if changed else layer
     if type(layer) is QuantizedRotatingKVCache:
         return i, dequantize_rotating(layer)
+    if type(layer) is QuantizedArraysCache:
+        return i, dequantize_state(layer)
     if type(layer) is not QuantizedKVCache:
         return i, layer
     kv = KVCache()
@@ -524,21 +405,9 @@ def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
         kv.step = layer.step
     codec, seed = _codec_of(layer)
     if layer.keys is not None and layer.offset > 0:
-        n, dtype = layer.offset, _original_dtype(layer)
-        vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
-        kept = [arrays[-1] if len(arrays) > codec_arrays(codec, name) else None
-                for name, arrays in (("keys", layer.keys), ("values", layer.values))]
-        if restores_here(codec, layer.bits, vbits):
-            kv.keys, kv.values = restore_layer(layer, codec, seed, n, vbits, kept, dtype)
-        else:
-            kv.keys, kv.values = _dequantize_codec(layer, codec, n, vbits, dtype)
-            if codec != "affine":
-                from kvplugin.cache.rotation import unrotate
-
-                kv.keys, kv.values = unrotate(kv.keys, seed), unrotate(kv.values, seed)
-            kv.keys, kv.values = (_restore_protected(x, rows, layer, n)
-                                  for x, rows in zip((kv.keys, kv.values), kept))
-        kv.offset = n
+        kv.keys, kv.values = restore_rows(layer, codec, seed, layer.offset,
+                                          _original_dtype(layer))
+        kv.offset = layer.offset
     return i, kv
 
 

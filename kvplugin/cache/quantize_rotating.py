@@ -1,17 +1,21 @@
-"""Rotating (sliding-window, ``--max-kv-size``) layers stored quantized.
+"""Rotating (sliding-window, ``--max-kv-size``) layers stored quantized, with the whole codec.
 
-Why: mlx-lm's ``QuantizedKVCache`` only describes a linear cache (slots ``[0, offset)``), so
-rotating layers used to be stored at full precision: with ``--max-kv-size`` and
-``--kv-cache-quantization`` the start-up line said "4-bit entries" and none was quantized,
-and the sliding-window layers of Gemma 3 or gpt-oss never were. A rotating layer's slots are
-quantized here as they are (whatever their ring order), with what is needed to give back
-the very same class, slots, ``_idx``, ``offset``, ``keep`` and ``max_size`` on reuse.
+Why: mlx-lm's ``QuantizedKVCache`` only describes a linear cache (slots ``[0, offset)``), and
+a sliding-window model (Gemma 3: most of its layers) or any model under ``--max-kv-size``
+(every layer) keeps its tokens in a ring. A ring's slots go through the same codec as a
+plain layer's rows (:mod:`kvplugin.cache.quantize_rows`): keys rotated and quantized per
+channel over groups of slots (a group is a set of tokens, so the ring's order does not
+matter), values per token, the ``keep`` tokens and the newest tokens kept at full precision.
+The stored layer records what is needed to give back the very same class, slots, ``_idx``,
+``offset``, ``keep`` and ``max_size`` on reuse.
 
-With a rotated codec the slots are rotated along head_dim first (``rotated``: the seeded
-Hadamard of :mod:`kvplugin.cache.rotation`, then per-token groups), which spreads a few large
-channels over all of them as it does for linear layers. Per-channel key groups and protected
-tokens are not applied to a ring: its slots are not in token order, and a sliding window
-holds no attention sinks (``keep`` tokens aside).
+Which slots are protected (where the codec protects sinks and recent tokens at all): the
+first ``keep`` slots always hold the first ``keep`` tokens, the ring's attention sinks (an
+unwrapped ring holds tokens in order, so its first sink tokens too); the newest token is in
+slot ``_idx - 1``, and older ones go back through the ring ``[keep, slots)``, wrapping past
+its end (recorded as a range between the sinks and the recent rows). Protected rows are also
+left out of the per-channel key ranges (replaced by the mean key before encoding): a ring is
+never cut nor reused row by row, and a sink's large key otherwise sets its group's range.
 """
 
 from __future__ import annotations
@@ -23,20 +27,28 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from kvplugin.cache import rotation
-from kvplugin.cache.cpu_restore import dequantize
+from kvplugin.cache.channel import scale_rows
 from kvplugin.cache.layers import LayerKind, register_kind
-from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, UnknownCodec
+from kvplugin.cache.quantize_rows import (BOUNDARY_ATTR, CHANNEL_KEYS, RECENT_ATTR,
+                                          RECENT_START_ATTR, SINK_ATTR, check_record,
+                                          codec_arrays, dtype_name, encode_rows,
+                                          fitting_codec, protect_rows, protected_ranges,
+                                          restore_rows)
+from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, VALUE_BITS_ATTR, UnknownCodec
 
 __all__ = ["QuantizedRotatingKVCache", "quantize_rotating", "dequantize_rotating",
-           "is_rotating_quantizable"]
+           "is_rotating_quantizable", "rotating_codec", "protected_slots"]
 
 
 class QuantizedRotatingKVCache:
-    """A stored rotating layer: packed slots + scales/biases, and how to restore it.
+    """A stored rotating layer: the codec's arrays over its slots, and how to restore it.
 
     Not a cache the host can run (it is only ever in the store): ``offset`` is the tokens the
     layer has seen, ``keys[0].shape[-2]`` the slots it holds.
     """
+
+    #: Record attributes a stored layer may carry besides those ``__init__`` sets
+    OPTIONAL = (VALUE_BITS_ATTR, SINK_ATTR, RECENT_START_ATTR, RECENT_ATTR, BOUNDARY_ATTR)
 
     def __init__(self) -> None:
         self.keys: tuple | None = None
@@ -75,21 +87,69 @@ def is_rotating_quantizable(layer: Any, group_size: int) -> bool:
     )
 
 
+def _held_slots(layer: RotatingKVCache) -> int:
+    """Slots holding tokens: an unwrapped ring's first ``offset`` (the rest is growth slack),
+    else all of them."""
+    size = layer.keys.shape[-2]
+    return layer.offset if layer.offset < size and layer._idx == layer.offset else size
+
+
+def protected_slots(offset: int, slots: int, keep: int, idx: int, sink: int,
+                    recent: int) -> list[tuple[int, int]]:
+    """``(start, count)`` ranges of the slots kept at full precision, ascending: the head
+    (``keep``; ``max(keep, sink)`` while the ring holds its tokens in order; none where the
+    codec protects no sinks, ``sink == 0``), the newest ``recent`` slots going back from
+    ``idx - 1`` (two ranges where they wrap past the end)."""
+    in_order = offset <= slots
+    head = 0 if sink <= 0 else min(slots, max(keep, sink) if in_order else keep)
+    newest = min(recent, slots - head)
+    before = min(newest, max(0, idx - head))
+    after = 0 if in_order else newest - before
+    if after:
+        return [(0, head), (idx - before, before), (slots - after, after)]
+    return [(0, head), (idx - before, before)]
+
+
+def _without_protected(keys: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
+    """``keys`` with the protected slots replaced by the mean of the others (per channel)."""
+    held = mx.zeros((keys.shape[-2], 1), dtype=mx.bool_)
+    for start, count in ranges:
+        if count:
+            held[start : start + count] = True
+    free = keys.shape[-2] - sum(c for _, c in ranges)
+    if free <= 0 or free == keys.shape[-2]:
+        return keys
+    wide = keys.astype(mx.float32)
+    mean = mx.where(held, 0.0, wide).sum(axis=-2, keepdims=True) / free
+    return mx.where(held, mean, wide).astype(keys.dtype)
+
+
 def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int,
-                      codec: str = "affine") -> QuantizedRotatingKVCache:
-    """``codec`` other than ``affine`` stores the slots ``rotated`` (power-of-two widths;
-    otherwise ``affine``, recorded as such)."""
+                      codec: str = "affine", value_bits: int | None = None, sink: int = 0,
+                      recent: int = 0, chunk_bytes: int | None = None
+                      ) -> QuantizedRotatingKVCache:
+    """The ring's held slots through ``codec`` (as a plain layer's rows; widths it cannot take
+    fall back as :func:`kvplugin.codecs.fitting_codec` says, recorded), keys at
+    ``bits``, values at ``value_bits``, the head and the newest ``recent`` slots kept at full
+    precision (see :func:`protected_slots`)."""
     q = QuantizedRotatingKVCache()
-    keys, values = layer.keys, layer.values
-    if codec != "affine" and all(rotation.rotatable(a.shape[-1]) for a in (keys, values)):
-        keys, values = rotation.rotate(keys), rotation.rotate(values)
-        setattr(q, CODEC_ATTR, "rotated")
+    slots = _held_slots(layer)
+    keys, values = layer.keys[..., :slots, :], layer.values[..., :slots, :]
+    vbits = bits if value_bits is None else value_bits
+    codec = fitting_codec(codec, keys.shape[-1], values.shape[-1])
+    ranges = protected_slots(layer.offset, slots, layer.keep, layer._idx, sink, recent)
+    coded = _without_protected(keys, ranges) if codec in CHANNEL_KEYS else keys
+    q.keys, q.values = encode_rows(coded, values, codec, bits, vbits, group_size, chunk_bytes)
+    protect_rows(q, keys, values, ranges)
+    setattr(q, CODEC_ATTR, codec)
+    if codec != "affine":
         setattr(q, SEED_ATTR, rotation.CODEC_SEED)
-    q.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
-    q.values = tuple(mx.quantize(values, group_size=group_size, bits=bits))
-    q.offset, q.max_size, q.keep, q._idx = layer.offset, layer.max_size, layer.keep, layer._idx
+    if vbits != bits:
+        setattr(q, VALUE_BITS_ATTR, vbits)
+    q.offset, q.max_size, q.keep = layer.offset, layer.max_size, layer.keep
+    q._idx = min(layer._idx, slots)
     q.bits, q.group_size = bits, group_size
-    q.dtype_name = str(layer.keys.dtype).rsplit(".", 1)[-1]
+    q.dtype_name = dtype_name(layer.keys.dtype)
     q.cls = f"{type(layer).__module__}:{type(layer).__qualname__}"
     q.step = vars(layer).get("step")
     return q
@@ -103,34 +163,53 @@ def _resolve(spec: str) -> type:
     return cls if isinstance(cls, type) and issubclass(cls, RotatingKVCache) else RotatingKVCache
 
 
-def rotating_codec(q: QuantizedRotatingKVCache) -> str:
-    """The stored layer's codec; :class:`UnknownCodec` for one this version cannot read (a
-    record from a newer kvplugin, or a damaged one): a miss, never misread."""
-    codec, seed = getattr(q, CODEC_ATTR, "affine"), getattr(q, SEED_ATTR, 0)
-    if codec not in ("affine", "rotated"):
-        raise UnknownCodec(f"stored rotating layer has unknown codec {codec!r}")
-    if codec == "rotated" and (type(seed) is not int
-                               or not all(rotation.rotatable(p.shape[-1] * 32 // q.bits)
-                                          for p in (q.keys[0], q.values[0]))):
-        raise UnknownCodec("rotated window layer without an integer seed or power-of-two width")
-    return codec
+def _slots(q: QuantizedRotatingKVCache) -> int:
+    ints = (q.offset, q.max_size, q.keep, q._idx, q.group_size)
+    if (not all(type(x) is int and x >= 0 for x in ints) or q.group_size == 0
+            or not isinstance(q.keys, tuple) or not isinstance(q.values, tuple)
+            or not q.keys or not q.values):
+        raise UnknownCodec("stored rotating layer without a consistent record")
+    slots = q.keys[0].shape[-2]
+    if q.values[0].shape[-2] != slots or q._idx > slots or q.keep > slots:
+        raise UnknownCodec("stored rotating layer whose slots do not match its record")
+    return slots
+
+
+def rotating_codec(q: QuantizedRotatingKVCache) -> tuple[str, int]:
+    """The stored layer's codec and seed; :class:`UnknownCodec` for one this version cannot
+    read (a record from a newer kvplugin, or a damaged one): a miss, never misread."""
+    slots = _slots(q)
+    codec, seed = check_record(q, slots)
+    if codec != "affine" and not all(rotation.rotatable(p.shape[-1] * 32 // bits) for p, bits
+                                     in ((q.keys[0], q.bits),
+                                         (q.values[0], getattr(q, VALUE_BITS_ATTR, q.bits)))):
+        raise UnknownCodec(f"{codec} window layer without a power-of-two width")
+    for name, parts in (("keys", q.keys), ("values", q.values)):
+        per_group = name == "keys" and codec in CHANNEL_KEYS
+        want = scale_rows(slots, q.group_size) if per_group else slots
+        if any(p.shape[-2] != want for p in parts[1:codec_arrays(codec, name)]):
+            raise UnknownCodec(f"stored rotating layer whose {name} scales do not match")
+    if len(q.keys) > codec_arrays(codec, "keys"):
+        ranges = protected_ranges(q)
+        held = sum(c for _, c in ranges)
+        if (max(a + c for a, c in ranges) > slots
+                or any(p[-1].shape[-2] != held for p in (q.keys, q.values))):
+            raise UnknownCodec("stored rotating layer whose protected slots do not match")
+    return codec, seed
 
 
 def dequantize_rotating(q: QuantizedRotatingKVCache) -> RotatingKVCache:
-    """The same rotating layer back, full precision, evaluated."""
-    codec = rotating_codec(q)
+    """The same rotating layer back, full precision (left unevaluated: the caller's lanes
+    evaluate, :func:`kvplugin.cache.quantize.dequantize_entry`)."""
+    codec, seed = rotating_codec(q)
     cls = _resolve(q.cls)
     layer = cls.__new__(cls)
     RotatingKVCache.__init__(layer, q.max_size, q.keep)
     dtype = getattr(mx, q.dtype_name, mx.float16)
-    keys = dequantize(*q.keys, q.group_size, q.bits)
-    values = dequantize(*q.values, q.group_size, q.bits)
-    if codec == "rotated":
-        seed = getattr(q, SEED_ATTR)
-        keys, values = rotation.unrotate(keys, seed), rotation.unrotate(values, seed)
-    keys, values = keys.astype(dtype), values.astype(dtype)
-    mx.eval(keys, values)
-    layer.keys, layer.values = keys, values
+    dtype = dtype if isinstance(dtype, mx.Dtype) else mx.float16
+    keys, values = restore_rows(q, codec, seed, _slots(q), dtype)
+    layer.keys = keys if keys.dtype == dtype else keys.astype(dtype)
+    layer.values = values if values.dtype == dtype else values.astype(dtype)
     layer.offset, layer._idx = q.offset, q._idx
     if q.step is not None:
         layer.step = q.step

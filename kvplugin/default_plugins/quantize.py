@@ -50,6 +50,7 @@ def kvplugin_quantize_entry(
         group_size=plan.group_size,
         prompt_boundaries=prompt_boundaries,
         stored_prefix=stored_prefix,
+        quantize_state=plan.quantize_state,
         consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None

@@ -166,6 +166,17 @@ def _layer_problem(layer: Any, ref: Reference, where: str) -> str | None:
             want = ref.arrays.get(j)
             if a is None or want is None:
                 continue
+            if isinstance(a, (tuple, list)):  # stored quantized (kvplugin.cache.quantize_state)
+                bits = getattr(layer, "bits", None)
+                if not (isinstance(bits, int) and len(a) == 3
+                        and all(isinstance(p, mx.array) for p in a)
+                        and a[1].dtype == want[0] and a[0].ndim == len(want[1])
+                        and tuple(a[0].shape[:-2]) == want[1][:-2]  # rows may be regrouped
+                        and a[0].shape[-2] * a[0].shape[-1] * 32
+                        == want[1][-2] * want[1][-1] * bits):
+                    return f"{where}.{j}: quantized state for a model whose state is " \
+                           f"{want[1]}/{want[0]}"
+                continue
             if not isinstance(a, mx.array) or (a.dtype, tuple(a.shape)) != want:
                 return f"{where}.{j}: {getattr(a, 'shape', None)} for a model whose state is " \
                        f"{want[1]}/{want[0]}"

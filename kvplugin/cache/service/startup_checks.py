@@ -31,6 +31,9 @@ def model_problem(model: Any, settings: KVPluginSettings | None,
         return None
     from kvplugin.cache.model.widths import validate_group_size_for_model
 
+    problem = _codec_problem(model, settings, given_flags)
+    if problem:
+        return problem
     group = settings.kv_cache_quantization_group_size
     try:
         left = validate_group_size_for_model(model, group)
@@ -53,6 +56,29 @@ def model_problem(model: Any, settings: KVPluginSettings | None,
             f"the server cannot quantize this model's KV cache"
         )
     return None
+
+
+def _codec_problem(model: Any, settings: KVPluginSettings,
+                   given_flags: Collection[str]) -> str | None:
+    """A codec the user named (not ``auto``) that this model's cache widths cannot take, on
+    plain and rotating layers alike: refused rather than stored with another codec."""
+    from kvplugin.cache.model.widths import cache_widths
+    from kvplugin.codecs import fitting_codec
+
+    codec, widths = settings.kv_cache_codec, cache_widths(model)
+    if codec == "auto" or not widths:
+        return None
+    key_width, value_width = (list(widths.values()) * 2)[:2]
+    fits = fitting_codec(codec, key_width, value_width)
+    if fits == codec:
+        return None
+    field = "kv_cache_codec"
+    info = option_info(field)
+    got = (f"{info.flag} {codec}" if field in given_flags else f"{info.env}={codec}")
+    return (f"kvplugin: invalid value for {info.flag} / {info.env}: got {got} (this model's "
+            f"cache widths {'/'.join(map(str, sorted(set(widths.values()))))} can only take "
+            f"{fits}: {codec} needs power-of-two widths"
+            f"{', keys a multiple of 32' if fits == 'rotated' else ''}); use {fits} or auto")
 
 
 def host_option_conflict(settings: KVPluginSettings, host_options: Mapping[str, Any]) -> str | None:

@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as _mlc
 
 from kvplugin.cache.layers import KNOWN_FIELDS, extra_scalars, layout_of
+from kvplugin.cache.quantize_state import QuantizedArraysCache  # noqa: F401 (resolved by name)
 
 __all__ = ["Corrupt", "Unsupported", "deserialize_cache", "serialize_cache"]
 
@@ -114,17 +115,18 @@ def _de_qrot(desc: dict, arrays: dict):
 
     obj = QuantizedRotatingKVCache()
     for k, v in desc["attrs"].items():
-        if k not in vars(obj) or not isinstance(v, _SCALAR_TYPES):
+        if (k not in vars(obj) and k not in obj.OPTIONAL) or not isinstance(v, _SCALAR_TYPES):
             raise Corrupt(f"{_QROT}: unexpected attribute {k!r}")
         setattr(obj, k, v)
     obj.keys = _get_arrays(arrays, desc["arrays"]["keys"])
     obj.values = _get_arrays(arrays, desc["arrays"]["values"])
-    parts = (obj.keys or ()) + (obj.values or ())
+    keys, values = obj.keys or (), obj.values or ()
     ints = (obj.offset, obj.max_size, obj.keep, obj._idx, obj.bits, obj.group_size)
-    if (len(parts) != 6 or not all(isinstance(x, int) and x >= 0 for x in ints)
-            or len({p.shape[-2] for p in parts}) != 1 or obj._idx > parts[0].shape[-2]):
+    if (not 2 <= min(len(keys), len(values)) <= max(len(keys), len(values)) <= 4
+            or not all(isinstance(x, int) and x >= 0 for x in ints)
+            or keys[0].shape[-2] != values[0].shape[-2] or obj._idx > keys[0].shape[-2]):
         raise Corrupt(f"{_QROT}: inconsistent arrays or scalars")
-    return obj
+    return obj  # the codec's own record is checked where it is read (a miss if unknown)
 
 
 def _non_scalars(attrs: dict) -> list[str]:

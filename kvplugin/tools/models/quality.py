@@ -29,7 +29,10 @@ minutes on two CPU cores (seconds on Apple silicon). The weights (~0.4 MB) are n
 this script is, and the same mlx version on the same kind of machine rebuilds the same
 weights; the spec, losses and training time are recorded in ``quality-model.json``.
 
-Command line: ``python -m kvplugin.tools.models.quality [DIR] [--force] [--quick]``.
+:data:`HYBRID_SPEC` (Qwen3-Next style: a GatedDeltaNet layer, then attention) is trained the
+same way, for the codec of recurrent state (``kvplugin bench --quality --hybrid``).
+
+Command line: ``python -m kvplugin.tools.models.quality [DIR] [--force] [--quick] [--hybrid]``.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ __all__ = [
     "ModelSpec",
     "SPEC",
     "QUICK_SPEC",
+    "HYBRID_SPEC", "QUICK_HYBRID_SPEC",
     "default_model_dir",
     "build_quality_model",
     "load_quality_model",
@@ -89,9 +93,11 @@ class ModelSpec:
     copy_fraction: float = 0.0
     prose_fraction: float = 0.2
     seed: int = 0
+    #: ``llama``, or ``qwen3_next``: GatedDeltaNet (recurrent state) and attention layers
+    model_type: str = "llama"
 
     def model_config(self) -> dict[str, Any]:
-        return {
+        cfg = {
             "model_type": "llama",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -105,9 +111,19 @@ class ModelSpec:
             "rope_theta": 10000.0,
             "tie_word_embeddings": False,
         }
+        if self.model_type == "qwen3_next":  # a GatedDeltaNet layer before each attention one
+            cfg.update(model_type="qwen3_next", rms_norm_eps=1e-6, linear_num_value_heads=2,
+                       linear_num_key_heads=1, linear_key_head_dim=64, linear_value_head_dim=64,
+                       linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=1,
+                       decoder_sparse_step=1, moe_intermediate_size=32, full_attention_interval=2,
+                       shared_expert_intermediate_size=self.intermediate_size,
+                       mlp_only_layers=list(range(self.num_layers)), partial_rotary_factor=0.25)
+        return cfg
 
     def fingerprint(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True) + _corpus_hash()
+        # (the llama's builds predate model_type: its fingerprint leaves it out)
+        fields = {k: v for k, v in asdict(self).items() if (k, v) != ("model_type", "llama")}
+        blob = json.dumps(fields, sort_keys=True) + _corpus_hash()
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -115,6 +131,9 @@ class ModelSpec:
 SPEC = ModelSpec()
 #: A seconds-long build for tests (barely trained; enough to order the bit widths).
 QUICK_SPEC = replace(SPEC, num_heads=1, seq_len=96, batch_size=4, steps=25, warmup=5)
+#: The trained hybrid ``kvplugin bench --quality --hybrid`` measures the state codec on
+HYBRID_SPEC = replace(SPEC, model_type="qwen3_next")
+QUICK_HYBRID_SPEC = replace(QUICK_SPEC, model_type="qwen3_next")
 
 
 # --------------------------------------------------------------------------- data
@@ -314,9 +333,8 @@ def default_model_dir(spec: ModelSpec = SPEC) -> Path:
 
 
 def _new_model(spec: ModelSpec):
-    from mlx_lm.models.llama import Model, ModelArgs
-
-    return Model(ModelArgs.from_dict(spec.model_config()))
+    arch = __import__(f"mlx_lm.models.{spec.model_type}", fromlist=["Model"])
+    return arch.Model(arch.ModelArgs.from_dict(spec.model_config()))
 
 
 def _read_marker(directory: Path) -> dict[str, Any] | None:
@@ -464,8 +482,9 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("directory", nargs="?", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="the seconds-long test model")
     p.add_argument("--force", action="store_true", help="retrain even if built")
+    p.add_argument("--hybrid", action="store_true", help="the hybrid model (state codec)")
     args = p.parse_args(argv)
-    spec = QUICK_SPEC if args.quick else SPEC
+    spec = [[SPEC, QUICK_SPEC], [HYBRID_SPEC, QUICK_HYBRID_SPEC]][args.hybrid][args.quick]
     last = [time.perf_counter()]
 
     def progress(i: int, loss: float) -> None:

@@ -8,6 +8,9 @@ Texts (plain UTF-8 files in ``texts/``, public domain):
 
 - ``declaration-of-independence``: the United States Declaration of Independence (1776),
   about 1,330 words (about 1.7k SmolLM2 tokens).
+- ``gnu-gpl-3``: the GNU General Public License, version 3 (2007), about 5,600 words, whose
+  own terms let everyone copy it verbatim; long enough for several disjoint windows of
+  1k tokens and more (``kvplugin bench --quality --real-model``).
 """
 
 from __future__ import annotations
