@@ -22,12 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODECS", "CHOICES", "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan",
+__all__ = ["CODECS", "CHANNEL_KEYS", "CHOICES", "SYM", "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan",
            "UnknownCodec", "codec_plan", "fitting_codec"]
 
 CODECS = ("affine", "rotated", "rotated-channel", "rotated-channel-sym")  # what
-# kvplugin.cache.quantize can read
+# kvplugin.cache.codec.quantize can read
 CHOICES = ("auto",) + CODECS
+SYM = "rotated-channel-sym"  # rotated-channel with scale-only values (kvplugin.cache.codec.symmetric)
+CHANNEL_KEYS = ("rotated-channel", SYM)  # the codecs whose keys are per channel
 #: What a stored layer records its codec and rotation seed under (scalar attributes, which
 #: the SSD and remote formats carry); a layer without the codec attribute is ``affine``.
 CODEC_ATTR = "kvplugin_codec"
@@ -55,7 +57,7 @@ class UnknownCodec(ValueError):
 
 @dataclass(frozen=True)
 class CodecPlan:
-    """A resolved codec: what :func:`kvplugin.cache.quantize.quantize_entry` is called with."""
+    """A resolved codec: what :func:`kvplugin.cache.codec.quantize.quantize_entry` is called with."""
 
     codec: str
     key_bits: int | None

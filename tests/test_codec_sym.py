@@ -11,14 +11,14 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kvplugin.cache.layers import copy_prefix, dense_nbytes, entry_nbytes
-from kvplugin.cache.quantize import (
+from kvplugin.cache.codec.quantize import (
     CODEC_ATTR,
     UnknownCodec,
     codec_name,
     dequantize_entry,
     quantize_entry,
 )
-from kvplugin.cache.symmetric import dequantize_symmetric, quantize_symmetric
+from kvplugin.cache.codec.symmetric import dequantize_symmetric, quantize_symmetric
 from kvplugin.cache.tiers.ssd import SSDTier
 
 from test_codecs import H, N, _err, _layer

@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvplugin.cache.channel import pack_codes, quantize_channels, unpack_codes
-from kvplugin.cache.cpu_restore import dequantize
+from kvplugin.cache.codec.channel import pack_codes, quantize_channels, unpack_codes
+from kvplugin.cache.codec.cpu_dequantize import dequantize
 
 DTYPES = [mx.float16, mx.bfloat16, mx.float32]
 
@@ -121,7 +121,7 @@ def _stored_arrays(cache: list) -> list:
 def test_row_chunks_store_what_one_pass_stores(codec, bits, n):
     """Chunks of 32 rows (the last one short; per-channel key groups of 32 never straddle
     two chunks) give the very arrays of one pass, protected rows included."""
-    from kvplugin.cache.quantize import quantize_entry
+    from kvplugin.cache.codec.quantize import quantize_entry
 
     kw = dict(bits=bits, group_size=32, codec=codec, sink_tokens=4, recent_tokens=16)
     one = quantize_entry(_two_layer_entry(n), chunk_bytes=0, **kw).cache
@@ -135,7 +135,7 @@ def test_a_4_bit_store_of_a_2_layer_model_holds_a_fraction_of_the_entry():
     per-channel keys, two lanes) peaked at 3.2x the entry above what it held, and a real
     server's process high-water mark on mlx-lm's sequential path rose ~2.8 MiB above stock's
     for a 1.5 MiB entry. In chunks of 1/32 of the entry it stays under half the entry."""
-    from kvplugin.cache.quantize import quantize_entry
+    from kvplugin.cache.codec.quantize import quantize_entry
 
     def store(chunk_bytes):
         cache = _two_layer_entry(1549)
@@ -157,8 +157,8 @@ def test_a_model_with_many_layers_takes_one_pass_per_array(monkeypatch):
     """With 16 layers a layer's keys are 1/32 of the entry: no chunks, the two lanes kept."""
     from mlx_lm.models.cache import KVCache
 
-    from kvplugin.cache import rotation
-    from kvplugin.cache.quantize import quantize_entry
+    from kvplugin.cache.codec import rotation
+    from kvplugin.cache.codec.quantize import quantize_entry
 
     passes: list[int] = []
     real = rotation.rotate

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from kvplugin.cache import quantize
+from kvplugin.cache.codec import quantize
 from kvplugin.cache.service.service import KVService
 from kvplugin.plugins import create_plugin_manager
 from kvplugin.settings import resolve_settings
@@ -59,7 +59,7 @@ def test_nothing_is_warmed_without_quantization_or_outside_a_host(monkeypatch):
 _FIRST_ROUND_TRIP = textwrap.dedent("""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
-    from kvplugin.cache.quantize import dequantize_entry, quantize_entry
+    from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
     from kvplugin.cache.service.service import KVService
     from kvplugin.plugins import create_plugin_manager
     from kvplugin.settings import resolve_settings

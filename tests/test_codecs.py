@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from kvplugin.cache import rotation
+from kvplugin.cache.codec import rotation
 from kvplugin.cache.layers import entry_nbytes
-from kvplugin.cache.quantize import (
+from kvplugin.cache.codec.quantize import (
     CODEC_ATTR,
     SEED_ATTR,
     UnknownCodec,
@@ -269,7 +269,7 @@ def test_channel_keys_with_a_damaged_record_are_a_miss():
 def test_only_plain_affine_layers_are_handed_to_a_quantized_host_as_they_are():
     """mlx-lm ``--kv-bits`` attends over ``QuantizedKVCache`` itself: a rotated or per-channel
     layer of the same bits would be read as affine, so only plain affine ones match."""
-    from kvplugin.cache.quantize import matches_live
+    from kvplugin.cache.codec.quantize import matches_live
 
     for codec, sink, want in (("affine", 0, True), ("affine", 4, False), ("rotated", 0, False),
                               ("rotated-channel", 0, False)):
@@ -313,7 +313,7 @@ def test_auto_codec_resolves_from_the_bits_and_reaches_the_stored_layers(flags, 
 def test_channel_packing_round_trips_every_width(bits):
     """Per-channel codes are packed by kvplugin itself; for 2/4/8 bits in mx.quantize's own
     layout (mx.dequantize with unit scales reads them back)."""
-    from kvplugin.cache.channel import pack_codes as _pack, unpack_codes as _unpack
+    from kvplugin.cache.codec.channel import pack_codes as _pack, unpack_codes as _unpack
 
     codes = mx.random.randint(0, 1 << bits, (2, 3, 70, 64), key=mx.random.key(bits))
     words = _pack(codes, bits)

@@ -1,4 +1,4 @@
-"""The numpy restore MLX's CPU backend uses (kvplugin.cache.cpu_restore) against MLX's own
+"""The numpy restore MLX's CPU backend uses (kvplugin.cache.codec.cpu_dequantize) against MLX's own
 kernels, which a GPU uses: the same layer, every rotated codec, byte-filling widths, narrow
 dtypes, protected rows, prompt boundaries and trims restore to the same values within
 rounding."""
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvplugin.cache import cpu_restore, quantize_rows
-from kvplugin.cache.quantize import dequantize_entry, quantize_entry
+from kvplugin.cache.codec import cpu_dequantize as cpu_restore, quantize_rows
+from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
 
 H, D = 2, 64
 #: 2 ulps of the output dtype, relative to the layer's largest value: the MLX path rounds to

@@ -277,7 +277,7 @@ def test_prompt_cache_report_lists_entries(service):
 
 
 def test_quantized_entry_is_described_with_bits():
-    from kvplugin.cache.quantize import quantize_entry
+    from kvplugin.cache.codec.quantize import quantize_entry
     from kvplugin.cache.service.report import describe_entry
 
     q = quantize_entry(_entry(64), bits=8, group_size=64).cache

@@ -1,10 +1,10 @@
-"""Codec work two layers at a time on the CPU (kvplugin.cache.lanes)."""
+"""Codec work two layers at a time on the CPU (kvplugin.cache.codec.lanes)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from kvplugin.cache import lanes
+from kvplugin.cache.codec import lanes
 
 
 def test_two_lanes_on_a_multicore_cpu_one_on_a_gpu(monkeypatch):

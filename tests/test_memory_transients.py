@@ -12,9 +12,9 @@ import gc
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from kvplugin.cache.lanes import lane_count
+from kvplugin.cache.codec.lanes import lane_count
 from kvplugin.cache.layers import entry_nbytes
-from kvplugin.cache.quantize import dequantize_entry, quantize_entry
+from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
 from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.layers.trim import trim_entry
 
@@ -63,7 +63,7 @@ def test_consuming_trim_frees_layer_by_layer():
 
 def test_consuming_quantize_and_dequantize_free_layer_by_layer():
     """At most ``lane_count()`` layers are in flight (two on a multi-core CPU: both are
-    worked on at once, kvplugin.cache.lanes), whatever the number of layers."""
+    worked on at once, kvplugin.cache.codec.lanes), whatever the number of layers."""
     layers = 4 * LAYERS
     cache = entry(1024, layers=layers)
     fp = entry_nbytes(cache)

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 from test_codecs import N, _layer
 
 from kvplugin.cache.layers import copy_prefix, entry_nbytes
-from kvplugin.cache.quantize import BOUNDARY_ATTR, UnknownCodec, dequantize_entry, quantize_entry
+from kvplugin.cache.codec.quantize import BOUNDARY_ATTR, UnknownCodec, dequantize_entry, quantize_entry
 from kvplugin.cache.tiers.serialize import deserialize_cache, serialize_cache
 from kvplugin.hookspecs import hookimpl
 

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
-from kvplugin.cache.quantize import (
+from kvplugin.cache.codec.quantize import (
     ALLOWED_BITS,
     ALLOWED_GROUP_SIZES,
     DTYPE_ATTR,
@@ -192,7 +192,7 @@ def test_mla_models_are_checked_against_their_real_cache_widths():
     for the real DeepSeek-V3) must not refuse a group size those widths accept."""
     from types import SimpleNamespace as ns
 
-    from kvplugin.cache.quantize import cache_widths
+    from kvplugin.cache.codec.quantize import cache_widths
 
     mla = ns(args=ns(hidden_size=7168, num_attention_heads=128, kv_lora_rank=512,
                      qk_rope_head_dim=64))
@@ -208,7 +208,7 @@ def test_a_nested_cache_list_has_its_kv_child_quantized_and_restored():
     other and is stored quantized; the recurrent state stays full precision."""
     from mlx_lm.models.cache import ArraysCache, CacheList
 
-    from kvplugin.cache.quantize import dequantize_entry, quantize_entry
+    from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
 
     nested = CacheList(ArraysCache(2), KVCache())
     nested.caches[0][0] = mx.ones((1, 2))

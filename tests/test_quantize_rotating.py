@@ -9,7 +9,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from kvplugin.cache.layers import entry_nbytes, layer_bits
 from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
-from kvplugin.cache.quantize import dequantize_entry, quantize_entry
+from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
 from kvplugin.cache.service.service import KVService
 from kvplugin.cache.layers.trim import trim_entry
 from kvplugin.plugins import create_plugin_manager
@@ -112,7 +112,7 @@ def test_the_ssd_tier_writes_and_reads_back_a_quantized_rotating_entry_exactly(c
     spills to SSD and comes back bit for bit, then restores to the same rotating layer."""
     from mlx_lm.models.cache import KVCache
 
-    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache
+    from kvplugin.cache.codec.rotating import QuantizedRotatingKVCache
     from kvplugin.cache.tiers.ssd import SSDTier
 
     full = KVCache()
@@ -171,7 +171,7 @@ def test_the_keep_and_the_newest_tokens_come_back_exactly_wherever_the_ring_hold
     precision and come back bit for bit; the layer comes back as the same class, slots,
     ``_idx``, ``offset``, ``keep`` and ``max_size``, and every other slot within the codec's
     error."""
-    from kvplugin.cache.quantize import codec_name
+    from kvplugin.cache.codec.quantize import codec_name
 
     layer = _numbered(cls, n, keep=keep, prefill=prefill)
     sink = 0 if codec == "affine" else 4
@@ -204,7 +204,7 @@ def _slots(x: mx.array) -> list:
 
 
 def test_protected_slots_follow_the_ring_back_from_the_newest_and_wrap_past_its_end():
-    from kvplugin.cache.quantize_rotating import protected_slots
+    from kvplugin.cache.codec.rotating import protected_slots
 
     # in order (never wrapped): the first sink tokens and the last recent ones
     assert protected_slots(40, 40, 4, 40, 4, 16) == [(0, 4), (24, 16)]
@@ -232,7 +232,7 @@ def test_per_channel_keys_over_a_ring_lose_less_than_per_token_groups():
 @pytest.mark.parametrize("damage", ["codec", "seed", "value_bits", "protected", "scales",
                                     "boundary"])
 def test_a_damaged_or_unknown_window_record_is_a_miss(damage):
-    from kvplugin.cache.quantize_rows import BOUNDARY_ATTR, RECENT_ATTR
+    from kvplugin.cache.codec.rows import BOUNDARY_ATTR, RECENT_ATTR
     from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, VALUE_BITS_ATTR, UnknownCodec
 
     (q,) = quantize_entry([_numbered(RotatingKVCache, 150)], bits=4, group_size=64,

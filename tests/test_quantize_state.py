@@ -1,4 +1,4 @@
-"""Recurrent state stored rotated at 8 bits (kvplugin.cache.quantize_state): the same class
+"""Recurrent state stored rotated at 8 bits (kvplugin.cache.codec.state): the same class
 and arrays come back in their dtypes within 8-bit error, nested (Falcon-H1) state too; the
 entry is smaller; the SSD tier carries it; a damaged or unknown record is a miss."""
 
@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
 from kvplugin.cache.layers import entry_nbytes
-from kvplugin.cache.quantize import codec_name, dequantize_entry, quantize_entry
-from kvplugin.cache.quantize_state import QuantizedArraysCache
+from kvplugin.cache.codec.quantize import codec_name, dequantize_entry, quantize_entry
+from kvplugin.cache.codec.state import QuantizedArraysCache
 from kvplugin.codecs import UnknownCodec
 
 

@@ -94,7 +94,7 @@ def test_a_quantized_entry_crosses_redis_with_its_codec_record(tier, codec, bits
     """Another replica reads the stored codes and the codec's record back unchanged (the
     same full-precision rows, per-channel key groups, scale-only values) and restores
     exactly what the publishing replica would have; a shorter prompt gets a prefix of it."""
-    from kvplugin.cache.quantize import CODEC_ATTR, dequantize_entry, quantize_entry
+    from kvplugin.cache.codec.quantize import CODEC_ATTR, dequantize_entry, quantize_entry
 
     a, b = tier(entry_format=codec), tier(entry_format=codec)
     tokens = list(range(2000, 2300))

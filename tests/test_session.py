@@ -13,8 +13,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvplugin import plugins
-from kvplugin.cache.lanes import lane_count
-from kvplugin.cache.quantize import dequantize_entry, quantize_entry
+from kvplugin.cache.codec.lanes import lane_count
+from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
 from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.service.startup_checks import host_option_conflict, model_problem
 from kvplugin.cache.service.service import KVService
@@ -122,7 +122,7 @@ def test_a_reused_quantized_entry_is_lent_as_stored_and_its_rows_copied_by_the_n
     the store lends the quantized layers it held (no bytes copied). They serve a concurrent
     request of this thread, and the turn's own insert copies their rows, quantizing only the
     tokens the turn added, after which they go."""
-    from kvplugin.cache import rotation
+    from kvplugin.cache.codec import rotation
 
     s = session(pm, kv_cache_quantization=True, kv_cache_quantization_bits=4,
                 kv_cache_min_quantize_tokens=0)
@@ -144,7 +144,7 @@ def test_a_reused_quantized_entry_is_lent_as_stored_and_its_rows_copied_by_the_n
 
     rise = _peak_rise(fetch)
     assert n == tokens and all(type(c) is KVCache for c in cache)
-    # the restored copy is new memory, beside the layers in flight (kvplugin.cache.lanes)
+    # the restored copy is new memory, beside the layers in flight (kvplugin.cache.codec.lanes)
     assert rise <= full + lane_count() * one_layer, (rise, full, one_layer)
     # the lent layers serve a concurrent request of this thread, restored to full precision
     again, m = s.fetch("m", list(range(tokens)) + [8])
@@ -172,7 +172,7 @@ def test_an_entry_that_shares_a_stored_entrys_first_tokens_copies_their_rows(pm,
     """Not only a stored *prefix*: a conversation's next turn usually shares its previous
     entry only up to where the reply was tokenized anew. The rows of the shared tokens are
     copied (views of the stored entry, cut there), the rest quantized."""
-    from kvplugin.cache import rotation
+    from kvplugin.cache.codec import rotation
 
     s = session(pm, kv_cache_quantization=True, kv_cache_quantization_bits=4,
                 kv_cache_min_quantize_tokens=0)

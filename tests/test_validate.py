@@ -91,7 +91,7 @@ def test_every_family_round_trips_through_the_tier_and_fits(family, tmp_path):
 def test_every_codec_layout_fits_the_model_that_made_it():
     """Protected rows (a 4th array), K/V-asymmetric bits and per-channel keys are entries the
     model can run once restored: validation must not turn them into misses."""
-    from kvplugin.cache.quantize import quantize_entry
+    from kvplugin.cache.codec.quantize import quantize_entry
 
     ref = reference_of(_model())
     for codec in ("affine", "rotated", "rotated-channel", "rotated-channel-sym"):
@@ -124,7 +124,7 @@ def test_every_family_runs_from_a_default_4bit_entry_read_back_from_the_tier(fam
     from mlx_lm.utils import load
 
     from kvplugin.cache.layers import entry_arrays
-    from kvplugin.cache.quantize import CODEC_ATTR, dequantize_entry, quantize_entry
+    from kvplugin.cache.codec.quantize import CODEC_ATTR, dequantize_entry, quantize_entry
     from kvplugin.cache.tiers.ssd import SSDTier
     from kvplugin.tools.models.families import build_family_model
 

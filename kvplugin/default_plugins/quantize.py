@@ -1,5 +1,5 @@
 """Default quantize codec: mlx-lm's ``QuantizedKVCache`` at the configured codec, key/value
-bits and group (see :mod:`kvplugin.cache.quantize`), warmed up before the host serves."""
+bits and group (see :mod:`kvplugin.cache.codec.quantize`), warmed up before the host serves."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def kvplugin_configure(settings: KVPluginSettings, host: str) -> None:
     part of the server's start-up, like the host loading its model. Not for ``kvplugin info``
     (``host == "none"``), which serves nothing."""
     if settings.kv_cache_quantization and host != "none":
-        from kvplugin.cache.quantize import warm_up
+        from kvplugin.cache.codec.quantize import warm_up
         from kvplugin.codecs import codec_plan
 
         warm_up(codec_plan(settings))
@@ -33,7 +33,7 @@ def kvplugin_quantize_entry(
     cache: list, num_tokens: int, settings: KVPluginSettings,
     prompt_boundaries: tuple[int, ...] = (), stored_prefix: list | None = None,
 ) -> list | None:
-    from kvplugin.cache import quantize
+    from kvplugin.cache.codec import quantize
 
     if num_tokens < settings.kv_cache_min_quantize_tokens:
         return None
@@ -58,6 +58,6 @@ def kvplugin_quantize_entry(
 
 @hookimpl(trylast=True)
 def kvplugin_dequantize_entry(cache: list, settings: KVPluginSettings) -> list | None:
-    from kvplugin.cache import quantize
+    from kvplugin.cache.codec import quantize
 
     return quantize.dequantize_entry(cache, consume=True)  # a fetched entry is the caller's

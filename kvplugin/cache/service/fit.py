@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvplugin.cache.layers import layout_of
-from kvplugin.cache.quantize import VALUE_BITS_ATTR, codec_arrays
+from kvplugin.cache.codec.quantize import VALUE_BITS_ATTR, codec_arrays
 from kvplugin.codecs import CODEC_ATTR
 
 __all__ = ["ModelChecker", "Reference", "entry_problem", "reference_of"]
@@ -52,7 +52,7 @@ class Reference:
 
 def _layout(layer: Any) -> str | None:
     """The vocabulary's layout; kvplugin's own quantized window counts as a rotating one."""
-    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache
+    from kvplugin.cache.codec.rotating import QuantizedRotatingKVCache
 
     if isinstance(layer, QuantizedRotatingKVCache):
         return "RotatingKVCache"
@@ -166,7 +166,7 @@ def _layer_problem(layer: Any, ref: Reference, where: str) -> str | None:
             want = ref.arrays.get(j)
             if a is None or want is None:
                 continue
-            if isinstance(a, (tuple, list)):  # stored quantized (kvplugin.cache.quantize_state)
+            if isinstance(a, (tuple, list)):  # stored quantized (kvplugin.cache.codec.state)
                 bits = getattr(layer, "bits", None)
                 if not (isinstance(bits, int) and len(a) == 3
                         and all(isinstance(p, mx.array) for p in a)

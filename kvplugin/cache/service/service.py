@@ -80,7 +80,7 @@ class BatchPlan:
 def _entry_codec(entry: list) -> str:
     """``"full"`` for an entry stored at full precision, else its layers' codec names
     (``rotated-k4v4``; several joined by ``+`` when layers differ)."""
-    from kvplugin.cache.quantize import codec_name
+    from kvplugin.cache.codec.quantize import codec_name
 
     names = sorted({codec_name(layer) for layer in entry if layer_bits(layer) is not None})
     return "+".join(names) if names else "full"
@@ -180,9 +180,9 @@ class KVService(Holdings, Persistence, Reporting):
         fresh cache shaped as a request's (not counted as one). Call it in the thread that
         runs the model, before it serves. ``serving_thread``: this thread also does the
         requests' cache work later (mlx-lm's generation thread), so its codec lanes start
-        here (:func:`kvplugin.cache.lanes.open_lanes`), not inside its first hit."""
+        here (:func:`kvplugin.cache.codec.lanes.open_lanes`), not inside its first hit."""
         if serving_thread:
-            from kvplugin.cache.lanes import open_lanes
+            from kvplugin.cache.codec.lanes import open_lanes
 
             open_lanes()
         if self.admission.ledger is None:
@@ -382,7 +382,7 @@ class KVService(Holdings, Persistence, Reporting):
         """
         self._recent_prompts.add(model_key, tokens)
         check = None if model is None else (lambda entry: self._fits(model, entry))
-        from kvplugin.cache.quantize import UnknownCodec
+        from kvplugin.cache.codec.quantize import UnknownCodec
 
         dequantized = False
 
@@ -438,7 +438,7 @@ class KVService(Holdings, Persistence, Reporting):
         live = self.live_quantization
         keep: dict[int, Any] = {}
         if live is not None:
-            from kvplugin.cache.quantize import matches_live
+            from kvplugin.cache.codec.quantize import matches_live
 
             keep = {i: layer for i, layer in enumerate(cache) if matches_live(layer, *live)}
         rest = [layer for i, layer in enumerate(cache) if i not in keep] if keep else cache

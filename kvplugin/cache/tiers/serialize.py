@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as _mlc
 
 from kvplugin.cache.layers import KNOWN_FIELDS, extra_scalars, layout_of
-from kvplugin.cache.quantize_state import QuantizedArraysCache  # noqa: F401 (resolved by name)
+from kvplugin.cache.codec.state import QuantizedArraysCache  # noqa: F401 (resolved by name)
 
 __all__ = ["Corrupt", "Unsupported", "deserialize_cache", "serialize_cache"]
 
@@ -111,7 +111,7 @@ def _ser_qrot(layer, prefix: str, arrays: dict) -> dict:
 
 
 def _de_qrot(desc: dict, arrays: dict):
-    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache
+    from kvplugin.cache.codec.rotating import QuantizedRotatingKVCache
 
     obj = QuantizedRotatingKVCache()
     for k, v in desc["attrs"].items():
@@ -143,7 +143,7 @@ def _ser_layer(layer, prefix: str, arrays: dict) -> dict:
 
 
 def _ser_one(layer, prefix: str, arrays: dict) -> dict:
-    if type(layer).__name__ == _QROT and type(layer).__module__ == "kvplugin.cache.quantize_rotating":
+    if type(layer).__name__ == _QROT and type(layer).__module__ == "kvplugin.cache.codec.rotating":
         return _ser_qrot(layer, prefix, arrays)
     kind = layout_of(layer)
     if kind is None:

@@ -125,7 +125,7 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc, *,
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvplugin.cache.layers import copy_prefix, entry_nbytes
-    from kvplugin.cache.quantize import dequantize_entry, quantize_entry
+    from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
     from kvplugin.cache.layers.trim import trim_entry
 
     from kvplugin.cache.bounded.prealloc import bound_cache

@@ -203,7 +203,7 @@ def bench_reuse(geo: Geometry, n_entry: int, turn: int, decode_after: int,
 
 
 def bench_stored_bytes(geo: Geometry, n_entry: int, bar: Progress) -> dict[str, Any]:
-    from kvplugin.cache.quantize import attention_roundtrip_error, dequantize_entry, quantize_entry
+    from kvplugin.cache.codec.quantize import attention_roundtrip_error, dequantize_entry, quantize_entry
     from kvplugin.cache.layers import entry_nbytes
     from kvplugin.cache.layers.trim import trim_entry
 

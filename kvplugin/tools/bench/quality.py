@@ -72,7 +72,7 @@ def _reused_entry(cache: list, bits: int | None, group_size: int,
                   codec: dict | None = None, state: bool = False) -> tuple[list, dict]:
     """What the host gets back from kvplugin: trimmed, quantized, dequantized (fp16 KVCache).
     ``codec``: more ``quantize_entry`` arguments; ``state``: recurrent state quantized too."""
-    from kvplugin.cache.quantize import dequantize_entry, quantize_entry
+    from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
     from kvplugin.cache.layers import entry_nbytes
     from kvplugin.cache.layers.trim import trim_entry
 

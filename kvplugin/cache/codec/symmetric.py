@@ -1,5 +1,5 @@
 """Values quantized per token with a scale and no minimum, for the ``rotated-channel-sym``
-codec of :mod:`kvplugin.cache.quantize`.
+codec of :mod:`kvplugin.cache.codec.quantize`.
 
 Why no minimum: after the Hadamard rotation a real model's values are centred on zero in
 every group (the rotation mixes each channel into all of them), so the minimum ``mx.quantize``
@@ -9,7 +9,7 @@ per group of 64 values, which is what brings a 3-bit entry with its protected ro
 0.22x fp16. Keys keep theirs (per-channel offsets are real).
 
 Layout, token-major like ``mx.quantize``'s so that trims and prefix copies cut it unchanged:
-codes ``(..., n, D * bits / 32)`` uint32 (:func:`kvplugin.cache.channel.pack_codes`), scales
+codes ``(..., n, D * bits / 32)`` uint32 (:func:`kvplugin.cache.codec.channel.pack_codes`), scales
 ``(..., n, D / group)`` in the values' dtype. Code ``c`` of ``2**bits`` levels stands for
 ``(c - (2**bits - 1) / 2) * scale``: symmetric around zero, every level used.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kvplugin.cache.channel import pack_codes, unpack_codes
+from kvplugin.cache.codec.channel import pack_codes, unpack_codes
 
 __all__ = ["quantize_symmetric", "dequantize_symmetric"]
 

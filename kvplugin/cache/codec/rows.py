@@ -3,8 +3,8 @@
 Why a module of its own: a plain layer's rows are its tokens in order, a rotating layer's are
 its ring's slots, yet both store the same arrays (codes, scales, minimums, and the protected
 rows as a last array) with the same record on the stored layer. Encoding, the record's
-checks and the restore are written once, here; :mod:`kvplugin.cache.quantize` and
-:mod:`kvplugin.cache.quantize_rotating` decide which rows a layer has and which to protect.
+checks and the restore are written once, here; :mod:`kvplugin.cache.codec.quantize` and
+:mod:`kvplugin.cache.codec.rotating` decide which rows a layer has and which to protect.
 
 The record (scalar attributes, which the SSD and remote formats carry): the codec, seed and
 value bits of :mod:`kvplugin.codecs`; the protected rows as ``(start, count)`` ranges in the
@@ -19,26 +19,20 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvplugin.cache.cpu_restore import dequantize, restore_layer, restores_here
-from kvplugin.cache.row_chunks import in_row_chunks
-from kvplugin.codecs import (CODEC_ATTR, CODECS, SEED_ATTR, VALUE_BITS_ATTR, UnknownCodec,
-                             fitting_codec)
+from kvplugin.cache.codec.cpu_dequantize import dequantize, restore_layer, restores_here
+from kvplugin.cache.codec.protected import (BOUNDARY_ATTR, RECENT_ATTR, RECENT_START_ATTR, SINK_ATTR,
+                                      protected_ranges, restore_protected)
+from kvplugin.cache.codec.row_chunks import in_row_chunks
+from kvplugin.codecs import (CHANNEL_KEYS, CODEC_ATTR, CODECS, SEED_ATTR, SYM, VALUE_BITS_ATTR,
+                             UnknownCodec, fitting_codec)
 
 __all__ = ["SYM", "CHANNEL_KEYS", "ALLOWED_BITS", "DTYPE_ATTR", "SINK_ATTR", "RECENT_ATTR",
            "RECENT_START_ATTR", "BOUNDARY_ATTR", "fitting_codec", "encode_rows",
            "protect_rows", "protected_ranges", "codec_arrays", "check_record",
            "restore_rows", "dtype_name"]
 
-SYM = "rotated-channel-sym"  # rotated-channel with scale-only values (kvplugin.cache.symmetric)
-CHANNEL_KEYS = ("rotated-channel", SYM)  # the codecs whose keys are per channel
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
 DTYPE_ATTR = "kvplugin_dtype"
-SINK_ATTR = "kvplugin_sink_tokens"
-RECENT_ATTR = "kvplugin_recent_tokens"
-RECENT_START_ATTR = "kvplugin_recent_start"
-# Rows before earlier prompt boundaries (plain layers), or a ring's newest rows where they
-# wrap past its end (rotating layers): between the sinks and the recent rows.
-BOUNDARY_ATTR = "kvplugin_boundary_rows"
 
 
 def _is_int(x: Any) -> bool:
@@ -55,8 +49,8 @@ def encode_rows(keys: mx.array, values: mx.array, codec: str, bits: int, vbits: 
     :func:`kvplugin.codecs.fitting_codec` gave
     it): codes, scales, minimums (scale-only values of ``rotated-channel-sym``: codes,
     scales); in row chunks of at most ``chunk_bytes`` input bytes where that helps
-    (:func:`kvplugin.cache.row_chunks.in_row_chunks`)."""
-    from kvplugin.cache import channel, rotation
+    (:func:`kvplugin.cache.codec.row_chunks.in_row_chunks`)."""
+    from kvplugin.cache.codec import channel, rotation
 
     def encode_keys(k: mx.array) -> tuple:
         k = k if codec == "affine" else rotation.rotate(k)
@@ -67,7 +61,7 @@ def encode_rows(keys: mx.array, values: mx.array, codec: str, bits: int, vbits: 
     def encode_values(v: mx.array) -> tuple:
         v = v if codec == "affine" else rotation.rotate(v)
         if codec == SYM:
-            from kvplugin.cache.symmetric import quantize_symmetric
+            from kvplugin.cache.codec.symmetric import quantize_symmetric
 
             return quantize_symmetric(v, group, vbits)
         return tuple(mx.quantize(v, group_size=group, bits=vbits))
@@ -96,27 +90,6 @@ def protect_rows(q: Any, keys: mx.array, values: mx.array, ranges: list[tuple[in
     setattr(q, RECENT_ATTR, recent)
     if between := [(a, c) for a, c in between if c]:
         setattr(q, BOUNDARY_ATTR, ",".join(f"{a}:{c}" for a, c in between))
-
-
-def protected_ranges(layer: Any) -> list[tuple[int, int]]:
-    """Where a layer's full-precision rows go, in the order it holds them: ``(start, count)``
-    of the sinks, the rows between, the recent rows. :class:`UnknownCodec` for a record that
-    does not add up."""
-    vals = [getattr(layer, a, None) for a in (SINK_ATTR, RECENT_START_ATTR, RECENT_ATTR)]
-    if not all(_is_int(v) and v >= 0 for v in vals):
-        raise UnknownCodec("protected tokens without a consistent record")
-    sink, start, recent = vals
-    ranges, low = [(0, sink)], sink
-    text = getattr(layer, BOUNDARY_ATTR, "")
-    for item in text.split(",") if isinstance(text, str) and text else ():
-        a, _, c = item.partition(":")
-        if not (a.isdigit() and c.isdigit()) or int(a) < low or int(c) < 1:
-            raise UnknownCodec(f"protected boundary rows {text!r} not ascending and disjoint")
-        ranges.append((int(a), int(c)))
-        low = int(a) + int(c)
-    if not isinstance(text, str) or low > start:
-        raise UnknownCodec(f"protected boundary rows {text!r} past the recent rows")
-    return ranges + [(start, recent)]
 
 
 def codec_arrays(codec: str, name: str) -> int:
@@ -158,7 +131,7 @@ def check_record(layer: Any, rows: int, codecs: tuple[str, ...] = CODECS) -> tup
 
 def _check_packed(layer: Any, codec: str, vbits: int, rows: int) -> None:
     """The per-channel keys (and scale-only values) hold what their record says."""
-    from kvplugin.cache.channel import scale_rows
+    from kvplugin.cache.codec.channel import scale_rows
 
     words, scales = layer.keys[0], layer.keys[1]
     if (words.shape[-2] < rows or scales.shape != layer.keys[2].shape
@@ -180,8 +153,8 @@ def _dequantize(parts: Any, n: int, group_size: int, bits: int, dtype: Any) -> m
 
 def _dequantize_codec(layer: Any, codec: str, n: int, vbits: int, dtype: Any):
     """The first ``n`` keys and values as the codec stored them (still rotated)."""
-    from kvplugin.cache.channel import dequantize_channels
-    from kvplugin.cache.symmetric import dequantize_symmetric
+    from kvplugin.cache.codec.channel import dequantize_channels
+    from kvplugin.cache.codec.symmetric import dequantize_symmetric
 
     group = layer.group_size
     keys = (dequantize_channels(layer.keys, n, group, layer.bits, dtype)
@@ -192,25 +165,11 @@ def _dequantize_codec(layer: Any, codec: str, n: int, vbits: int, dtype: Any):
     return keys, values
 
 
-def restore_protected(out: mx.array, kept: mx.array | None, layer: Any, n: int) -> mx.array:
-    """Write the full-precision rows ``kept`` (those still below ``n``, and still held: a
-    prefix copy cuts that array too) over ``out``."""
-    if kept is None:
-        return out
-    row = 0
-    for start, count in protected_ranges(layer):
-        stop = min(start + count, n, start + max(0, kept.shape[-2] - row))
-        if stop > start:
-            out[..., start:stop, :] = kept[..., row : row + stop - start, :].astype(out.dtype)
-        row += count
-    return out
-
-
 def restore_rows(layer: Any, codec: str, seed: int, n: int, dtype: Any) -> tuple[mx.array, mx.array]:
     """The first ``n`` rows of keys and values of a stored layer (its record checked by
     :func:`check_record`), in ``dtype``, left unevaluated where MLX computes them. With MLX
     on the CPU, rotated codecs with 2-, 4- or 8-bit codes restore in numpy
-    (:mod:`kvplugin.cache.cpu_restore`); elsewhere MLX's kernels."""
+    (:mod:`kvplugin.cache.codec.cpu_dequantize`); elsewhere MLX's kernels."""
     vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
     kept = [arrays[-1] if len(arrays) > codec_arrays(codec, name) else None
             for name, arrays in (("keys", layer.keys), ("values", layer.values))]
@@ -218,7 +177,7 @@ def restore_rows(layer: Any, codec: str, seed: int, n: int, dtype: Any) -> tuple
         return restore_layer(layer, codec, seed, n, vbits, kept, dtype)
     keys, values = _dequantize_codec(layer, codec, n, vbits, dtype)
     if codec != "affine":
-        from kvplugin.cache.rotation import unrotate
+        from kvplugin.cache.codec.rotation import unrotate
 
         keys, values = unrotate(keys, seed), unrotate(values, seed)
     return tuple(restore_protected(x, rows, layer, n) for x, rows in zip((keys, values), kept))

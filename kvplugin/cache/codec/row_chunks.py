@@ -1,7 +1,7 @@
 """Encoding a layer in row chunks, so that a codec pass holds a bounded share of the entry.
 
 Why a module of its own: it is the one place that decides how much of an entry a codec pass
-may hold in temporaries (``CHUNK_SHARE``), for every codec :mod:`kvplugin.cache.quantize`
+may hold in temporaries (``CHUNK_SHARE``), for every codec :mod:`kvplugin.cache.codec.quantize`
 writes.
 """
 
@@ -32,7 +32,7 @@ def in_row_chunks(x: mx.array, encode: Any, chunk_bytes: int | None, group: int)
     the codes. Every codec here quantizes a row (per-channel keys: a group of rows) on its
     own, so the result is bit for bit the unchunked one. A model with 16 layers or more
     (a layer's keys at most 1/32 of the entry) takes one pass per array, as before, and
-    keeps its two lanes (:mod:`kvplugin.cache.lanes`); a chunked layer's lane evaluates as
+    keeps its two lanes (:mod:`kvplugin.cache.codec.lanes`); a chunked layer's lane evaluates as
     it goes, so its layers run one after the other."""
     rows = x.shape[-2]
     row_bytes = x.nbytes // rows if rows else 0

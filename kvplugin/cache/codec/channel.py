@@ -1,5 +1,5 @@
 """Keys quantized per channel (KIVI): each channel of each group of ``G`` tokens gets its own
-scale and minimum, for the ``rotated-channel`` codec of :mod:`kvplugin.cache.quantize`.
+scale and minimum, for the ``rotated-channel`` codec of :mod:`kvplugin.cache.codec.quantize`.
 
 Why per channel: a real model's keys differ far more *between* channels (each has its own
 offset and range, a few carry outliers) than between tokens within a channel, so a scale per

@@ -5,7 +5,7 @@ MLX's CPU backend runs each stream's operations on one thread. The request waits
 work (a hit is dequantized before its prefill), so on the CPU kvplugin gives each of two
 layers its own stream and evaluates them together: measured on this project's 2-core CI
 machine, a 4-bit SmolLM2 entry of 2,100 tokens dequantizes in about half the time (a restore
-on the CPU now runs in numpy instead where it can, kvplugin.cache.cpu_restore; quantizing
+on the CPU now runs in numpy instead where it can, kvplugin.cache.codec.cpu_dequantize; quantizing
 and 3-, 5- and 6-bit restores still come here). On a GPU one kernel already fills the
 device: one lane, the default stream, as before.
 

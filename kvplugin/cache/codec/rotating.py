@@ -3,7 +3,7 @@
 Why: mlx-lm's ``QuantizedKVCache`` only describes a linear cache (slots ``[0, offset)``), and
 a sliding-window model (Gemma 3: most of its layers) or any model under ``--max-kv-size``
 (every layer) keeps its tokens in a ring. A ring's slots go through the same codec as a
-plain layer's rows (:mod:`kvplugin.cache.quantize_rows`): keys rotated and quantized per
+plain layer's rows (:mod:`kvplugin.cache.codec.rows`): keys rotated and quantized per
 channel over groups of slots (a group is a set of tokens, so the ring's order does not
 matter), values per token, the ``keep`` tokens and the newest tokens kept at full precision.
 The stored layer records what is needed to give back the very same class, slots, ``_idx``,
@@ -26,10 +26,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
-from kvplugin.cache import rotation
-from kvplugin.cache.channel import scale_rows
+from kvplugin.cache.codec import rotation
+from kvplugin.cache.codec.channel import scale_rows
 from kvplugin.cache.layers import LayerKind, register_kind
-from kvplugin.cache.quantize_rows import (BOUNDARY_ATTR, CHANNEL_KEYS, RECENT_ATTR,
+from kvplugin.cache.codec.rows import (BOUNDARY_ATTR, CHANNEL_KEYS, RECENT_ATTR,
                                           RECENT_START_ATTR, SINK_ATTR, check_record,
                                           codec_arrays, dtype_name, encode_rows,
                                           fitting_codec, protect_rows, protected_ranges,
@@ -200,7 +200,7 @@ def rotating_codec(q: QuantizedRotatingKVCache) -> tuple[str, int]:
 
 def dequantize_rotating(q: QuantizedRotatingKVCache) -> RotatingKVCache:
     """The same rotating layer back, full precision (left unevaluated: the caller's lanes
-    evaluate, :func:`kvplugin.cache.quantize.dequantize_entry`)."""
+    evaluate, :func:`kvplugin.cache.codec.quantize.dequantize_entry`)."""
     codec, seed = rotating_codec(q)
     cls = _resolve(q.cls)
     layer = cls.__new__(cls)

@@ -26,12 +26,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
-from kvplugin.cache.lanes import in_lanes
-from kvplugin.cache.row_chunks import CHUNK_SHARE, used_bytes
+from kvplugin.cache.codec.lanes import in_lanes
+from kvplugin.cache.codec.row_chunks import CHUNK_SHARE, used_bytes
 from kvplugin.cache.model.widths import (ALLOWED_GROUP_SIZES, cache_widths, head_dim_of,
                                          validate_group_size_for_model)
 from kvplugin.cache.layers import is_quantizable, with_children
-from kvplugin.cache.quantize_rows import (ALLOWED_BITS, BOUNDARY_ATTR, CHANNEL_KEYS,
+from kvplugin.cache.codec.rows import (ALLOWED_BITS, BOUNDARY_ATTR, CHANNEL_KEYS,
                                           DTYPE_ATTR, RECENT_ATTR, RECENT_START_ATTR,
                                           SINK_ATTR, SYM, check_record, codec_arrays,
                                           dtype_name, encode_rows, fitting_codec,
@@ -56,7 +56,7 @@ __all__ = [
     "codec_arrays",
 ]
 
-# What a stored layer records about its codec: kvplugin.cache.quantize_rows. Protected
+# What a stored layer records about its codec: kvplugin.cache.codec.rows. Protected
 # tokens: the first sinks, the rows before earlier prompt boundaries and the recent rows kept
 # at full precision as a last array, written over the dequantized rows. Why the boundary
 # rows: a repeated or edited turn reuses a *prefix* of a later entry, and then these are its
@@ -126,13 +126,13 @@ def _quantize_layer(
     differ). ``rotated`` needs power-of-two widths (``rotated-channel`` also 32 or more); a
     layer without them is stored ``affine`` (recorded as such, so it is read back right).
     ``rotated-channel`` keys are quantized per channel in groups of ``group_size`` tokens
-    (:mod:`kvplugin.cache.channel`). ``sink``/``recent`` tokens, and ``recent`` tokens before
+    (:mod:`kvplugin.cache.codec.channel`). ``sink``/``recent`` tokens, and ``recent`` tokens before
     each of ``boundaries``, are kept at full precision besides (their quantized rows stay
     too: exact-size arrays, simple trims). ``stored``: this layer of a stored entry that
     holds this entry's first tokens (see :func:`_reusable_rows`). ``chunk_bytes``: encode
     the keys and the values in row chunks of at most this many input bytes
-    (:func:`kvplugin.cache.row_chunks.in_row_chunks`)."""
-    from kvplugin.cache import rotation
+    (:func:`kvplugin.cache.codec.row_chunks.in_row_chunks`)."""
+    from kvplugin.cache.codec import rotation
 
     n = layer.offset
     keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
@@ -176,7 +176,7 @@ def _reusable_rows(stored: Any, codec: str, bits: int, vbits: int, group_size: i
     layer's row ``i`` is token ``i``'s key and value, which depend on the tokens before it
     only, and every codec here quantizes a row (per-channel keys: a group of rows) on its
     own, so the stored codes are those of this entry's first rows."""
-    from kvplugin.cache.rotation import CODEC_SEED
+    from kvplugin.cache.codec.rotation import CODEC_SEED
 
     if type(stored) is not QuantizedKVCache or stored.keys is None:
         return 0
@@ -224,7 +224,7 @@ def quantize_entry(
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
-    (:mod:`kvplugin.cache.quantize_rotating`), which gives back the same rotating layer.
+    (:mod:`kvplugin.cache.codec.rotating`), which gives back the same rotating layer.
 
     Only the ``offset`` used slots are quantized (no separate trim needed). Everything else is
     left as it is and counted in ``skipped``: ``ArraysCache``/recurrent state, layers already ``QuantizedKVCache`` (e.g. from mlx-lm's
@@ -239,8 +239,8 @@ def quantize_entry(
     than quantized again wherever it was stored with this very codec (plain layers). With
     ``consume`` each of its layers is dropped from that list once used. ``chunk_bytes``:
     the most input bytes one codec pass encodes at once (default: 1/``CHUNK_SHARE`` of the
-    entry's used rows; see :mod:`kvplugin.cache.row_chunks`). ``quantize_state``: recurrent
-    state (``ArraysCache``) stored rotated at 8 bits too (:mod:`kvplugin.cache.quantize_state`).
+    entry's used rows; see :mod:`kvplugin.cache.codec.row_chunks`). ``quantize_state``: recurrent
+    state (``ArraysCache``) stored rotated at 8 bits too (:mod:`kvplugin.cache.codec.state`).
     """
     validate_bits_group(bits, group_size)
     if value_bits is not None:
@@ -249,9 +249,9 @@ def quantize_entry(
         raise ValueError(f"unknown KV cache codec {codec!r}; one of {', '.join(CODECS)}")
     out = cache if consume else list(cache)
     quantized = skipped = 0
-    from kvplugin.cache.quantize_rotating import is_rotating_quantizable, quantize_rotating
-    from kvplugin.cache.quantize_state import QuantizedArraysCache, is_state_quantizable
-    from kvplugin.cache.quantize_state import quantize_state as quantize_state_layer
+    from kvplugin.cache.codec.rotating import is_rotating_quantizable, quantize_rotating
+    from kvplugin.cache.codec.state import QuantizedArraysCache, is_state_quantizable
+    from kvplugin.cache.codec.state import quantize_state as quantize_state_layer
 
     if chunk_bytes is None:
         chunk_bytes = sum(used_bytes(layer) for layer in cache) // CHUNK_SHARE
@@ -322,7 +322,7 @@ def _original_dtype(layer: QuantizedKVCache) -> Any:
 
 
 def _codec_of(layer: Any) -> tuple[str, int]:
-    """A plain stored layer's codec and seed (:func:`kvplugin.cache.quantize_rows.check_record`
+    """A plain stored layer's codec and seed (:func:`kvplugin.cache.codec.rows.check_record`
     over its ``offset`` rows)."""
     return check_record(layer, layer.offset)
 
@@ -330,8 +330,8 @@ def _codec_of(layer: Any) -> tuple[str, int]:
 def codec_name(layer: Any) -> str:
     """A stored layer's codec for the per-codec byte counters, e.g. ``rotated-k4v4``. A ring's
     newest slots count as recent where they wrap past its end too."""
-    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache
-    from kvplugin.cache.quantize_state import STATE_CODEC, QuantizedArraysCache
+    from kvplugin.cache.codec.rotating import QuantizedRotatingKVCache
+    from kvplugin.cache.codec.state import STATE_CODEC, QuantizedArraysCache
 
     kbits = getattr(layer, "bits", None)
     if type(layer) is QuantizedArraysCache:
@@ -357,11 +357,11 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
     version does not know: the caller treats the entry as a miss.
 
     With MLX on the CPU, plain layers of a rotated codec with 2-, 4- or 8-bit codes restore
-    in numpy (:mod:`kvplugin.cache.cpu_restore`, about twice as fast there); elsewhere MLX's
+    in numpy (:mod:`kvplugin.cache.codec.cpu_dequantize`, about twice as fast there); elsewhere MLX's
     kernels.
     """
-    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, rotating_codec
-    from kvplugin.cache.quantize_state import QuantizedArraysCache, state_record
+    from kvplugin.cache.codec.rotating import QuantizedRotatingKVCache, rotating_codec
+    from kvplugin.cache.codec.state import QuantizedArraysCache, state_record
 
     for layer in cache:
         if type(layer) is QuantizedKVCache:
@@ -386,8 +386,8 @@ def _restored_arrays(result: tuple[int, Any]) -> list:
 
 def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
     """One layer of :func:`dequantize_entry` (left unevaluated: the caller evaluates)."""
-    from kvplugin.cache.quantize_rotating import QuantizedRotatingKVCache, dequantize_rotating
-    from kvplugin.cache.quantize_state import QuantizedArraysCache, dequantize_state
+    from kvplugin.cache.codec.rotating import QuantizedRotatingKVCache, dequantize_rotating
+    from kvplugin.cache.codec.state import QuantizedArraysCache, dequantize_state
 
     i, layer = item
     if type(layer) is CacheList:

@@ -10,7 +10,7 @@ does the same rotation as one GEMM. Measured on a 4-bit ``rotated-channel`` Smol
 2,109 tokens (30 layers): 171-180 ms with MLX's kernels in two lanes, 93-101 ms here; on a
 real server, the KV-heavy model's 4-bit warm turns, interleaved runs: the fetch's span
 145-248 against 224-264 ms, warm TTFT median 853 against 956 ms (docs/benchmarks.md, "The
-restore on the CPU"). On a GPU MLX's kernels stay in charge (:mod:`kvplugin.cache.quantize`):
+restore on the CPU"). On a GPU MLX's kernels stay in charge (:mod:`kvplugin.cache.codec.quantize`):
 there the whole restore is a few Metal kernels.
 
 Same arithmetic as the MLX path (fp32 ``codes * scale + minimum``, the rotation's transpose),
@@ -103,7 +103,7 @@ def _per_token(parts: Any, n: int, group: int, bits: int) -> np.ndarray:
 
 
 def _per_channel(parts: Any, n: int, group: int, bits: int) -> np.ndarray:
-    """Keys per channel (:mod:`kvplugin.cache.channel`): a scale and a minimum per channel of
+    """Keys per channel (:mod:`kvplugin.cache.codec.channel`): a scale and a minimum per channel of
     every ``group`` tokens."""
     codes = _codes(parts[0], n, bits)
     *lead, _, width = codes.shape
@@ -118,7 +118,7 @@ def _per_channel(parts: Any, n: int, group: int, bits: int) -> np.ndarray:
 
 
 def _symmetric(parts: Any, n: int, group: int, bits: int) -> np.ndarray:
-    """Scale-only values (:mod:`kvplugin.cache.symmetric`): ``(code - half) * scale``."""
+    """Scale-only values (:mod:`kvplugin.cache.codec.symmetric`): ``(code - half) * scale``."""
     codes = _codes(parts[0], n, bits)
     *lead, width = codes.shape
     out = codes.astype(np.float32).reshape(*lead, width // group, group)
@@ -139,7 +139,7 @@ def _numpy_blas() -> Any:
 
 @lru_cache(maxsize=16)
 def _unrotation(width: int, seed: int) -> np.ndarray:
-    from kvplugin.cache.rotation import _matrix
+    from kvplugin.cache.codec.rotation import _matrix
 
     return np.ascontiguousarray(_matrix(width, seed).T)  # x @ R.T undoes x @ R
 
@@ -155,8 +155,8 @@ def restore_layer(layer: Any, codec: str, seed: int, n: int, vbits: int, kept: l
     kept spinning after each GEMM and slowed the host's next MLX matmuls ~1.8x (measured),
     for a GEMM that one core does in ~1 ms per layer.
     """
-    from kvplugin.cache.quantize_rows import CHANNEL_KEYS, SYM
-    from kvplugin.cache.quantize_rows import restore_protected as _restore_protected
+    from kvplugin.cache.codec.protected import restore_protected as _restore_protected
+    from kvplugin.codecs import CHANNEL_KEYS, SYM
 
     restore_keys = _per_channel if codec in CHANNEL_KEYS else _per_token
     restore_values = _symmetric if codec == SYM else _per_token

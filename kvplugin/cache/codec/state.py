@@ -5,7 +5,7 @@ Why: a hybrid model's entry carries a fixed-size state for every recurrent layer
 the prompt's length, and at full precision (often float32) it is most of a short entry: with
 K/V quantized and the state not, an entry shrinks far less than its attention layers do. A
 state array is a matrix per head whose rows mix many channels, so, as for keys, a seeded
-Hadamard along the last axis (:mod:`kvplugin.cache.rotation`) spreads a few large values
+Hadamard along the last axis (:mod:`kvplugin.cache.codec.rotation`) spreads a few large values
 over a group before ``mx.quantize`` gives each group of the last axis a scale and a minimum.
 An array whose last axis no group size divides (Mamba's ``d_state`` of 16) is quantized as
 rows of 64 of its last two axes flattened, and only one that cannot be stays at full
@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from kvplugin.cache import rotation
+from kvplugin.cache.codec import rotation
 from kvplugin.cache.layers import LayerKind, register_kind
 from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, UnknownCodec
 
