@@ -65,7 +65,7 @@ class CodecPlan:
     group_size: int
     sink_tokens: int
     recent_tokens: int
-    quantize_state: bool = True  # recurrent state rotated at 8 bits (quantize_state.py)
+    quantize_state: bool = True  # recurrent state rotated at 8 bits (cache/codec/state.py)
 
     @property
     def name(self) -> str:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvplugin.cache.codec import cpu_dequantize as cpu_restore, quantize_rows
+from kvplugin.cache.codec import cpu_dequantize as cpu_restore
+from kvplugin.cache.codec import rows as quantize_rows
 from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
 
 H, D = 2, 64
