@@ -46,6 +46,8 @@ BENCH_MODES = {
     "engine": ("kvplugin.tools.bench.engine", "engine level: synthetic caches, stock vs kvplugin"),
     "server": ("kvplugin.tools.bench.server", "server level: real host processes, stock vs kvplugin"),
     "quality": ("kvplugin.tools.bench.quality", "answer quality with quantized KV entries"),
+    "hybrid": ("kvplugin.tools.bench.state_quality",
+               "with --quality: the recurrent-state codec on a trained tiny hybrid model"),
     "memory": ("kvplugin.tools.bench.memory",
                "with --server: the whole process's memory across cache reuse (VmHWM, MLX)"),
     "bound": ("kvplugin.tools.bench.bound",
@@ -72,8 +74,10 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             else "server" if args.server
             else "quality" if args.quality
             else "bound" if args.bound else "engine")
-    module_name, _ = BENCH_MODES[mode]
     rest = list(args.bench_args)
+    if mode == "quality" and "--hybrid" in rest:  # its own options
+        mode = "hybrid"
+    module_name, _ = BENCH_MODES[mode]
     if args.help:
         if mode == "engine":  # the overview first: how to reach the other benchmarks
             print(parser.format_help())

@@ -108,8 +108,10 @@ def test_the_hybrid_bench_measures_the_state_codec_on_a_trained_hybrid(tmp_path)
     of 8 and 4 bits with the state at full precision and rotated at 8 bits; quantizing the
     state is what takes the 8-bit entry past 1.8x smaller."""
     out, model_dir = tmp_path / "out", tmp_path / "model"
-    assert quality.main(["--hybrid", "--quick", "--out", str(out), "--model-dir",
-                         str(model_dir), "--no-progress"]) == 0
+    from kvplugin.tools.bench import state_quality  # `kvplugin bench --quality --hybrid`
+
+    assert state_quality.main(["--hybrid", "--quick", "--out", str(out), "--model-dir",
+                               str(model_dir), "--no-progress"]) == 0
     report = json.loads((out / "state.json").read_text())
     rows = {(r["bits"], r["state_quantized"]): r for r in report["rows"]}
     assert set(rows) == {(8, False), (8, True), (4, False), (4, True)}

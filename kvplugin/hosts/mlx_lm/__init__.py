@@ -78,3 +78,5 @@ from kvplugin.hosts.mlx_lm.prompt_cache import KVPluginPromptCache
 
 __all__ = ["ADAPTER", "STATS_PATH", "KVPluginPromptCache", "MlxLmAdapter", "SeamError",
            "on_import"]
+
+KVPluginPromptCache.adapter = ADAPTER  # the one adapter, before a script builds its own cache

@@ -76,6 +76,7 @@ class MlxLmAdapter(HostAdapter, declaration=MLX_LM):
 
         from kvplugin.hosts.mlx_lm.prompt_cache import KVPluginPromptCache
 
+        KVPluginPromptCache.adapter = self
         patches.replace(server, "LRUPromptCache", KVPluginPromptCache)
         from kvplugin.hosts.mlx_lm.batch import adopting_merge
 

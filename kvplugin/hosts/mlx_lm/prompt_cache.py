@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from kvplugin.cache.model.fingerprint import model_fingerprint
-from kvplugin.hosts.mlx_lm.adapter import ADAPTER
 from kvplugin.hosts.mlx_lm.salt import UNKNOWN, fetch_salt, insert_salt
 from kvplugin.log import say
 
@@ -33,13 +32,16 @@ class KVPluginPromptCache:
     accepted and ignored: the store keeps one LRU order.
     """
 
+    #: the adapter that installed this class (set by it: the class never imports it back)
+    adapter: Any = None
+
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, *, service: Any = None):
         self.max_size = max_size
         self.max_bytes = max_bytes
         if service is None:
-            service = ADAPTER.take_pending_service()
+            service = self.adapter.take_pending_service()
         if service is None:  # built outside the wrapped ``run`` (a script): own service
-            service = ADAPTER.create_service(
+            service = self.adapter.create_service(
                 max_bytes=None if max_bytes >= _NO_BUDGET else max_bytes, max_entries=max_size
             )
         self.service = service
@@ -64,7 +66,7 @@ class KVPluginPromptCache:
             return None, tokens
         try:
             cache, n = self.service.fetch(self._key(model, salt), tokens,
-                                          model=ADAPTER.loaded_model(model))
+                                          model=self.adapter.loaded_model(model))
         except Exception as exc:  # a request must never fail because of the store
             say(f"prompt cache fetch failed ({type(exc).__name__}: {exc}); serving "
                 "without a cached prefix", key="mlx-lm:fetch-failed")
@@ -101,4 +103,4 @@ class KVPluginPromptCache:
     # -- kvplugin ----------------------------------------------------------------------
     def report(self) -> dict:
         """The service's report plus the host version (``GET /kvplugin/stats``)."""
-        return ADAPTER.report(self.service)
+        return self.adapter.report(self.service)

@@ -305,19 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-model", action="store_true",
                    help="codecs on SmolLM2-135M and real text instead "
                    "(kvplugin.tools.bench.codec_quality; its own options)")
-    p.add_argument("--hybrid", action="store_true",
-                   help="the codec of recurrent state on a trained hybrid instead "
-                        "(kvplugin.tools.bench.state_quality; its own options)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--hybrid" in argv:  # the state codec on a trained hybrid
-        from kvplugin.tools.bench import state_quality
-
-        return state_quality.main(argv)
     if "--real-model" in argv:  # codecs on SmolLM2: kvplugin.tools.bench.codec_quality
         from kvplugin.tools.bench import codec_quality
 

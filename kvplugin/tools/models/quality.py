@@ -24,8 +24,7 @@ Geometry (:data:`SPEC`): hidden 64, 2 layers, 2 query heads sharing 1 KV head, *
 (group sizes 32, 64 and 128 all divide it; 64 would rule out group 128), MLP 128, ~0.2 M
 parameters, 256-token context; trained in fp32 for 200 steps of 6 x 256 tokens, evaluated in
 fp16 (so the KV cache is fp16). mlx's Linux CPU backend multiplies matrices with a reference
-BLAS (~5 GFLOP/s here), which is what bounds the model to this size: training takes ~3-5
-minutes on two CPU cores (seconds on Apple silicon). The weights (~0.4 MB) are not shipped:
+BLAS, which is what bounds the model to this size (docs/benchmarks.md). The weights are not shipped:
 this script is, and the same mlx version on the same kind of machine rebuilds the same
 weights; the spec, losses and training time are recorded in ``quality-model.json``.
 
