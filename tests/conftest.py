@@ -18,3 +18,36 @@ def _clean_kvplugin_env(monkeypatch):
     log.forget()
     yield
     plugins.reset_plugin_manager()
+
+
+#: the remote tier's block in the tests that drive it (small, so short entries span blocks)
+REMOTE_BLOCK = 64
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real redis-server on 127.0.0.1 for the module (fails loudly when not installed)."""
+    from kvplugin.tools.redisproc import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def tier(redis_server):
+    """``make(**kw)``: remote tiers on an emptied Redis (block 64), closed at the end."""
+    from kvplugin.cache.tiers.remote import RemoteTier
+
+    redis_server.client().flushall()
+    made = []
+
+    def make(**kw):
+        kw.setdefault("entry_format", "full")
+        kw.setdefault("block_tokens", REMOTE_BLOCK)
+        kw.setdefault("fetch_timeout_ms", 2000)
+        made.append(RemoteTier(redis_server.url, **kw))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.close()

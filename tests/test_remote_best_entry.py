@@ -11,38 +11,14 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
-import pytest
 from mlx_lm.models.cache import ChunkedKVCache, KVCache
 
 from kvplugin.cache.tiers.remote import RemoteTier
 from kvplugin.cache.tiers.remote_keys import FAN_OUT, PREFIX, Namespace
-from kvplugin.tools.redisproc import RedisServer
 
 BLOCK = 64
 MODEL = "mlx-lm|fp-abc|max_kv=0"
 SYSTEM = list(range(100, 100 + 2 * BLOCK + 27))  # ends inside the third block
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-def tier(redis_server):
-    redis_server.client().flushall()
-    made = []
-
-    def make(**kw) -> RemoteTier:
-        t = RemoteTier(redis_server.url, entry_format="full", block_tokens=BLOCK,
-                       fetch_timeout_ms=2000, **kw)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
 
 
 def _entry(tokens: int, seed: int = 0) -> list:

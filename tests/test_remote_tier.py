@@ -27,30 +27,6 @@ BLOCK = 64
 MODEL = "mlx-lm|fp-abc|max_kv=0"
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-def tier(redis_server):
-    redis_server.client().flushall()
-    made = []
-
-    def make(**kw):
-        kw.setdefault("entry_format", "full")
-        kw.setdefault("block_tokens", BLOCK)
-        kw.setdefault("fetch_timeout_ms", 2000)
-        t = RemoteTier(redis_server.url, **kw)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
-
-
 def _entry(tokens: int, seed: int = 0) -> list:
     mx.random.seed(seed)
     layer = KVCache()

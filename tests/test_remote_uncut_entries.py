@@ -20,33 +20,10 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.tiers.remote import RemoteTier
 from kvplugin.cache.tiers.remote_keys import PREFIX
-from kvplugin.tools.redisproc import RedisServer
 
 BLOCK = 64
 MAX = 96
 MODEL = "mlx-lm|fp-abc|max_kv=96"
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-def tier(redis_server):
-    redis_server.client().flushall()
-    made = []
-
-    def make() -> RemoteTier:
-        t = RemoteTier(redis_server.url, entry_format="full", block_tokens=BLOCK,
-                       fetch_timeout_ms=2000)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
 
 
 def _wrapped(tokens: int, seed: int) -> list:
