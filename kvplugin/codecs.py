@@ -8,13 +8,11 @@ does ``--kv-cache-codec auto`` with these bits mean", so it is decided once, her
 chat measured best (docs/benchmarks.md, SmolLM2-135M): below 6 key bits, keys rotated and
 quantized per channel (``rotated-channel``) with the first 4 tokens (attention sinks) and the
 last 16 kept at full precision lose several times less than ``affine`` at the same size. From
-6 bits on plain ``affine``: in one round trip ``rotated-channel`` 8-bit measured closer still
-(mean KL 7.9e-6 vs 2.2e-5), but a real server's multi-turn chat, where an entry is restored
-and quantized again at every turn, kept every answer with ``affine`` and changed the third
-with ``rotated-channel``, and ``affine`` restores in half the time. At 3 bits and below
-``rotated-channel-sym``: the same keys, values stored with a scale and no minimum, and 6
-recent tokens: 0.219x fp16 at 98.55% teacher-forced top-1 (``rotated-channel`` at 3 bits:
-0.236x), the size class that 3 bits are chosen for.
+6 bits on plain ``affine``: ``rotated-channel`` 8-bit is closer in one round trip, but a real
+server's multi-turn chat, where an entry is dequantized and quantized again at every turn,
+kept every answer with ``affine`` only, and ``affine`` dequantizes in half the time. At 3 bits
+and below ``rotated-channel-sym``: the same keys, values stored with a scale and no minimum,
+and 6 recent tokens, the size class that 3 bits are chosen for.
 """
 
 from __future__ import annotations
@@ -45,9 +43,7 @@ AUTO_SYM_UP_TO_BITS = 3
 #: sinks (whose huge keys otherwise set the range of a whole group). ``affine``: none.
 PROTECTED_DEFAULT = (4, 16)
 PROTECT_BELOW_BITS = 6
-#: ... and for ``rotated-channel-sym``, whose point is size: 6 recent rows measured 98.55%
-#: teacher-forced top-1 at 0.219x fp16 for 1,200 tokens (8: 98.65% at 0.221x; 16 would
-#: cost 0.228x), docs/benchmarks.md
+#: ... and for ``rotated-channel-sym``, whose point is size: 6 recent rows (docs/benchmarks.md)
 SYM_PROTECTED_DEFAULT = (4, 6)
 
 

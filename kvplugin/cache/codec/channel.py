@@ -3,9 +3,7 @@ scale and minimum, for the ``rotated-channel`` codec of :mod:`kvplugin.cache.cod
 
 Why per channel: a real model's keys differ far more *between* channels (each has its own
 offset and range, a few carry outliers) than between tokens within a channel, so a scale per
-channel spends the bits where keys vary. Measured on SmolLM2-135M (docs/benchmarks.md), 4-bit
-entries with keys per channel after the Hadamard rotation lose less than half the KL of
-per-token groups (4.4e-4 vs 1.0e-3 nats, same protected tokens). Values stay per token
+channel spends the bits where keys vary (docs/benchmarks.md). Values stay per token
 (their error averages out in the attention sum).
 
 Layout, chosen so that everything that cuts entries along the token axis keeps working

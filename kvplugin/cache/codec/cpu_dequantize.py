@@ -3,14 +3,9 @@ with MLX ops that keep no code-sized temporaries (:func:`dequantize`).
 
 Why: a hit on a quantized entry is restored before its prefill, so the restore is part of the
 warm turn's time to first token. On MLX's CPU backend each step of it (unpack the codes,
-scale them, rotate them back) is a separate MLX kernel, and those are slow there: on this
-project's 2-core x86 machine an elementwise pass over 48 MiB takes ~30 ms in MLX against
-~11 ms in numpy, and MLX's Hadamard transform is a scalar loop where numpy's bundled OpenBLAS
-does the same rotation as one GEMM. Measured on a 4-bit ``rotated-channel`` SmolLM2 entry of
-2,109 tokens (30 layers): 171-180 ms with MLX's kernels in two lanes, 93-101 ms here; on a
-real server, the KV-heavy model's 4-bit warm turns, interleaved runs: the fetch's span
-145-248 against 224-264 ms, warm TTFT median 853 against 956 ms (docs/benchmarks.md, "The
-restore on the CPU"). On a GPU MLX's kernels stay in charge (:mod:`kvplugin.cache.codec.quantize`):
+scale them, rotate them back) is a separate MLX kernel, and those are slow there, while
+numpy's bundled OpenBLAS does the rotation as one GEMM (docs/benchmarks.md, "The restore on
+the CPU"). On a GPU MLX's kernels stay in charge (:mod:`kvplugin.cache.codec.quantize`):
 there the whole restore is a few Metal kernels.
 
 Same arithmetic as the MLX path (fp32 ``codes * scale + minimum``, the rotation's transpose),
@@ -36,9 +31,8 @@ def restores_here(codec: str, key_bits: int, value_bits: int) -> bool:
     """This path takes the layer: MLX on the CPU, a rotated codec, codes that fill bytes.
 
     ``affine`` (the 8-bit default) stays with MLX: its restore is one fused
-    ``mx.dequantize`` kernel, and on a real server the numpy path measured no faster for it
-    (the fetch's span 118-154 against 113-132 ms on the KV-heavy model: the copy into MLX
-    and fresh pages cost what numpy's faster passes save). The gain is the rotation."""
+    ``mx.dequantize`` kernel, and the copy into MLX and fresh pages cost what numpy's faster
+    passes would save. The gain is the rotation."""
     return (mx.default_device() == mx.cpu and codec != "affine"
             and all(b in BYTE_FILLING_BITS for b in (key_bits, value_bits)))
 
@@ -151,9 +145,8 @@ def restore_layer(layer: Any, codec: str, seed: int, n: int, vbits: int, kept: l
 
     ``kept`` are the layer's full-precision rows for keys and values (or ``None``), written
     back by the MLX path's own ``_restore_protected`` (it only slices, so it takes numpy
-    arrays as well). numpy's BLAS runs the rotation on one thread: on both cores its workers
-    kept spinning after each GEMM and slowed the host's next MLX matmuls ~1.8x (measured),
-    for a GEMM that one core does in ~1 ms per layer.
+    arrays as well). numpy's BLAS runs the rotation on one thread: on every core its idle
+    workers spin after each GEMM and slow the host's next MLX matmuls.
     """
     from kvplugin.cache.codec.protected import restore_protected as _restore_protected
     from kvplugin.codecs import CHANNEL_KEYS, SYM

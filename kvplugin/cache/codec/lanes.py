@@ -3,11 +3,10 @@
 Why: quantizing or dequantizing an entry is a few elementwise passes over every layer, and
 MLX's CPU backend runs each stream's operations on one thread. The request waits for this
 work (a hit is dequantized before its prefill), so on the CPU kvplugin gives each of two
-layers its own stream and evaluates them together: measured on this project's 2-core CI
-machine, a 4-bit SmolLM2 entry of 2,100 tokens dequantizes in about half the time (a restore
-on the CPU now runs in numpy instead where it can, kvplugin.cache.codec.cpu_dequantize; quantizing
-and 3-, 5- and 6-bit restores still come here). On a GPU one kernel already fills the
-device: one lane, the default stream, as before.
+layers its own stream and evaluates them together (docs/benchmarks.md). A dequantize on the
+CPU runs in numpy where it can (kvplugin.cache.codec.cpu_dequantize); quantizing and 3-, 5- and
+6-bit dequantizes come here. On a GPU one kernel already fills the device: one lane, the
+default stream.
 
 The transient stays bounded: a lane's layer is evaluated (and, with ``consume``, replaces
 the original) before the next pair is made, so at most two layers are in flight.
@@ -49,9 +48,8 @@ def open_lanes() -> None:
     """Make this thread's lanes now, and start them.
 
     Why: each lane is an MLX CPU stream, and a stream starts its own worker thread on first
-    use (measured in-process: two threads, 288 KiB of RSS, once). Made lazily, that
-    happened inside a server's first hit, and a tiny model's reuse then read ~0.3 MiB above
-    stock's. A host whose model loads in the thread that then serves calls it there
+    use. Made lazily, that happens inside a server's first hit, where it reads as reuse
+    costing more memory than stock's. A host whose model loads in the thread that then serves calls it there
     (``KVService.learn_model(..., serving_thread=True)``: mlx-lm), like loading the model.
     Elsewhere (vllm-mlx serves from an executor thread) lanes made early would go unused."""
     count = lane_count()

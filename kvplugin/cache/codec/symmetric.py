@@ -3,10 +3,9 @@ codec of :mod:`kvplugin.cache.codec.quantize`.
 
 Why no minimum: after the Hadamard rotation a real model's values are centred on zero in
 every group (the rotation mixes each channel into all of them), so the minimum ``mx.quantize``
-stores beside every scale buys nothing. Measured on SmolLM2-135M (docs/benchmarks.md): 3-bit
-rotated values lost no measurable top-1 agreement without it, and dropping it saves 2 bytes
-per group of 64 values, which is what brings a 3-bit entry with its protected rows under
-0.22x fp16. Keys keep theirs (per-channel offsets are real).
+stores beside every scale buys nothing, while dropping it is what brings a 3-bit entry with
+its protected rows into its size class (docs/benchmarks.md). Keys keep theirs (per-channel
+offsets are real).
 
 Layout, token-major like ``mx.quantize``'s so that trims and prefix copies cut it unchanged:
 codes ``(..., n, D * bits / 32)`` uint32 (:func:`kvplugin.cache.codec.channel.pack_codes`), scales

@@ -2,7 +2,7 @@
 
 Why a second quality bench: the tiny trained model of :mod:`kvplugin.tools.bench.quality`
 has no attention sinks nor outlier key channels, which is what breaks 4-bit entries of real
-models (issue 15). This one prefills windows of real text (:mod:`kvplugin.tools.models.realtext`)
+models. This one prefills windows of real text (:mod:`kvplugin.tools.models.realtext`)
 with SmolLM2-135M-Instruct (float32, :mod:`kvplugin.tools.models.smollm2`; run it with
 OpenBLAS preloaded on Linux), rounds the entry to fp16 (the reference: "the fp16 entry"),
 passes it through each codec the way a hit does (``quantize_entry`` -> ``dequantize_entry``),
