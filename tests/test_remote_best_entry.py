@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import ChunkedKVCache, KVCache
 
 from kvplugin.cache.tiers.remote import RemoteTier
@@ -81,6 +82,9 @@ def test_a_whole_entry_beats_an_equal_cut_of_a_longer_one(tier):
     assert b.stats()["remote_bytes_read"] < len(longer) * 2 * 32 * 2 * 2  # not the longer one
 
 
+# Llama 4, the only model with chunked layers, is served from mlx-lm 0.32.0 on; the entry
+# below is trimmed at its front by that version's ChunkedKVCache.
+@pytest.mark.host_version("mlx-lm", ">=0.32.0")
 def test_a_chunked_entry_is_cut_only_where_it_can_be(tier):
     a, b = tier(), tier()
     early = SYSTEM + list(range(1000, 1100))
