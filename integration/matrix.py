@@ -171,13 +171,13 @@ def workload(host: Host, cell: Cell, start: Callable[..., Any], redis_url: str |
     return run, [first, second]
 
 
-def tier_carried(cell: Cell, stats: dict) -> tuple[bool, dict]:
+def tier_carried(cell: Cell, stats: dict) -> bool:
     """Whether the reading server got at least one entry from the tier (counted)."""
     if cell.tier == "ssd":
-        return stats.get("store_cold_hits", 0) >= 1, stats
+        return stats.get("store_cold_hits", 0) >= 1
     if cell.tier == "redis":
-        return (stats.get("remote_hits") or 0) >= 1, stats
-    return True, stats
+        return (stats.get("remote_hits") or 0) >= 1
+    return True
 
 
 def settle(srv: Any, quiet: float = 0.5, timeout: float = 20.0) -> dict:
@@ -221,16 +221,17 @@ class Bench:
 
     def _run(self, cell: Cell, tmp: Path, *, stock: bool = False,
              extra: tuple[str, ...] = (), redis: Any = None, keep: bool = True) -> tuple:
-        """The cell's workload (stock's, or with ``extra`` flags); runs kept by key."""
+        """The cell's workload (stock's, or with ``extra`` flags) and what its last server
+        reported ``(stats, kvplugin's log lines)``; kept by key when ``keep``."""
         key = (cell, stock, extra)
         if key in self.runs:
-            return self.runs[key], []
+            return self.runs[key]
         started: list = []
         host = self.host
         if stock or extra:
             flags = () if stock else (*OPTIONS[cell.option], *extra)
-            host = Host(cmd=host.cmd, seeded_modes=host.seeded_modes, budget_flags=host.budget_flags,
-                        mode_flags={cell.mode: (*host.mode_flags[cell.mode], *flags)})
+            host = Host(cmd=host.cmd, seeded_modes=host.seeded_modes,
+                        budget_flags=host.budget_flags, mode_flags={cell.mode: (*host.mode_flags[cell.mode], *flags)})
             cell = Cell(cell.mode, cell.family, "fp16", cell.tier)
         env = {"KVPLUGIN_DISABLE": "1"} if stock else None
         if cell.tier == "redis":
@@ -245,7 +246,7 @@ class Bench:
             for srv in started:
                 srv.stop()
         if keep:
-            self.runs[key] = run
+            self.runs[key] = run, (stats, logs)
         return run, (stats, logs)
 
     def check(self, cell: Cell, redis: Any, tmp: Path) -> None:
@@ -261,8 +262,7 @@ class Bench:
             assert run.phase2_reused >= same.phase2_reused, (why, same.reused)
             assert run.phase2_served >= same.phase2_served, (why, same.phase2_served)
             if same.phase2_served:
-                carried, _ = tier_carried(cell, stats)
-                assert carried, why
+                assert tier_carried(cell, stats), why
             # Quantized: the SSD tier chooses its entry as the hot one does; the Redis tier
             # serves the entry its pointer names, whose codec groups may span other tokens.
             if cell.option not in EXACT and cell.tier == "ssd":
