@@ -63,18 +63,13 @@ def start_server(tiny_model, tmp_path_factory):
 def refusing_plugin(tmp_path) -> dict[str, str]:
     """Env that installs a plugin (a real entry point, on PYTHONPATH) whose
     ``kvplugin_configure`` raises ``SettingsError``: every host must stop at start-up."""
-    (tmp_path / "kvp_refuse.py").write_text(
+    return harness.plugin_on_path(tmp_path, "refuse", (
         "from kvplugin.hookspecs import hookimpl\n"
         "from kvplugin.settings import SettingsError\n\n"
         "@hookimpl\n"
         "def kvplugin_configure(settings, host):\n"
         "    raise SettingsError(f'kvp-refuse: refusing to serve on {host}')\n"
-    )
-    dist = tmp_path / "kvp_refuse-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-refuse\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[kvplugin]\nrefuse = kvp_refuse\n")
-    return {"PYTHONPATH": str(tmp_path)}
+    ))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import harness
+
 ENTRY_GLOB = "*/[0-9a-f]*.safetensors"
 
 
@@ -93,7 +95,7 @@ def breaking_plugin(where: Path) -> tuple[dict[str, str], Path]:
     check kvplugin makes."""
     where = Path(where)
     trigger = where / "break-next-fetch"
-    (where / "kvp_break.py").write_text(
+    env = harness.plugin_on_path(where, "break", (
         "import os\n"
         "import mlx.core as mx\n"
         "from kvplugin.hookspecs import hookimpl\n\n"
@@ -104,12 +106,8 @@ def breaking_plugin(where: Path) -> tuple[dict[str, str], Path]:
         "        os.unlink(TRIGGER)\n"
         "        cache[0].keys = mx.contiguous(cache[0].keys[..., :32])\n"
         "    return None\n"
-    )
-    dist = where / "kvp_break-1.0.dist-info"
-    dist.mkdir(exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-break\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[kvplugin]\nbreak = kvp_break\n")
-    return {"PYTHONPATH": str(where)}, trigger
+    ))
+    return env, trigger
 
 
 _WRITER = """

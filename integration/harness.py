@@ -330,3 +330,18 @@ def wait_cold_tier(srv: ServerProcess, key: str, n: int, timeout: float = 15.0) 
             return tier
         assert time.monotonic() < deadline, (key, n, tier)
         time.sleep(0.1)
+
+
+def plugin_on_path(where: Any, name: str, source: str) -> dict[str, str]:
+    """Env that installs ``source`` as kvplugin plugin ``name`` the way a distribution does: a
+    module ``kvp_<name>`` and a ``kvplugin`` entry point, on ``PYTHONPATH`` (so a server loads
+    it through the real plugin discovery, not a test hook)."""
+    from pathlib import Path
+
+    where, module = Path(where), f"kvp_{name}"
+    (where / f"{module}.py").write_text(source)
+    dist = where / f"{module}-1.0.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kvp-{name}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[kvplugin]\n{name} = {module}\n")
+    return {"PYTHONPATH": str(where)}

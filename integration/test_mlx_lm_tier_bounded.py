@@ -119,7 +119,7 @@ def test_a_bounded_entry_below_its_bound_shares_its_prefix_in_memory(reference, 
 def tagging_plugin(tmp_path) -> dict[str, str]:
     """Env installing a plugin (a real entry point) whose caches are a class of its own with
     live state no tier can store (a list)."""
-    (tmp_path / "kvp_tagged.py").write_text(
+    return harness.plugin_on_path(tmp_path, "tagged", (
         "from mlx_lm.models.cache import KVCache\n"
         "from kvplugin.hookspecs import hookimpl\n\n"
         "class TaggedKVCache(KVCache):\n"
@@ -129,12 +129,7 @@ def tagging_plugin(tmp_path) -> dict[str, str]:
         "@hookimpl\n"
         "def kvplugin_make_cache(model, cache, settings):\n"
         "    return [TaggedKVCache() for _ in cache]\n"
-    )
-    dist = tmp_path / "kvp_tagged-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-tagged\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[kvplugin]\ntagged = kvp_tagged\n")
-    return {"PYTHONPATH": str(tmp_path)}
+    ))
 
 
 def test_a_layer_the_tier_cannot_hold_is_said_once_and_counted_by_reason(
