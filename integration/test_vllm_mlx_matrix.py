@@ -18,16 +18,13 @@ pytestmark = pytest.mark.matrix
 VERSION = harness.host_version("mlx-lm")
 HOST = matrix.Host(cmd=harness.vllm_mlx_serve_cmd,
                    mode_flags={"simple": (), "batching": ("--continuous-batching",)},
-                   budget_flags=("--cache-memory-mb", "1"))
+                   budget_flags=("--cache-memory-mb", "1"),
+                   not_served={("batching", "mamba"): "every layer is recurrent state"})
 CELLS = matrix.cells(["simple", "batching"],
                      ["llama", *(f for f in FAMILIES if available(f, VERSION))])
 # Cells that fail today and are not yet named at start-up (open work, said here, not hidden):
 # strict where the failure is deterministic, so that a fix shows as an unexpected pass.
 KNOWN_GAPS = {
-    "batching-mamba-8-bit-hot": (True, "--continuous-batching stores no entry of a "
-                                 "recurrent-only model (Mamba), and no start-up line says so"),
-    "batching-mamba-4-bit-redis": (True, "--continuous-batching stores no entry of a "
-                                   "recurrent-only model (Mamba), and no start-up line says so"),
     "simple-gemma3_text-bounded-ssd": (False, "a sliding-window model's entries after a "
                                        "restart serve less than the memory tier did"),
     "batching-gpt_oss-fp16-ssd": (False, "a sliding-window model's entries after a restart "

@@ -178,7 +178,13 @@ class KVPrefixCache:
         self._adapter.check_model(model, hard=True)
         from mlx_lm.models.cache import make_prompt_cache
 
-        self._service.learn_model(model, make_prompt_cache(model))
+        fresh = make_prompt_cache(model)
+        self._service.learn_model(model, fresh)
+        if self._adapter.runtime.mode == "batching" and coverage_unknown(fresh):
+            say("vllm-mlx --continuous-batching keeps no prefix-cache entry of a model whose "
+                "every layer is recurrent state (its scheduler cannot tell how many tokens "
+                "that state covers); this model's requests reuse nothing, as stock",
+                key="vllm-mlx:recurrent-only")
 
     # -- what the scheduler reads directly -------------------------------------------
     @property
@@ -328,6 +334,18 @@ class KVPrefixCache:
         from kvplugin.cache.service.persist import persist_dir  # lazy: mlx loads with the engine
 
         return self._service.reload(persist_dir(cache_dir))
+
+
+def coverage_unknown(cache: list) -> bool:
+    """True where no layer holds a token count (``offset``): the scheduler then stores no
+    entry at all (it keys entries by the tokens a cache covers), so there is nothing to back."""
+    import importlib
+
+    scheduler = importlib.import_module("vllm_mlx.scheduler").Scheduler
+    coverage = getattr(scheduler, "_cache_coverage", None)
+    if coverage is None:
+        return False
+    return coverage(cache) is None
 
 
 def eval_entry(cache: list) -> None:
