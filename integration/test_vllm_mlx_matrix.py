@@ -22,24 +22,12 @@ HOST = matrix.Host(cmd=harness.vllm_mlx_serve_cmd,
                    not_served={("batching", "mamba"): "every layer is recurrent state"})
 CELLS = matrix.cells(["simple", "batching"],
                      ["llama", *(f for f in FAMILIES if available(f, VERSION))])
-# Cells that fail today and are not yet named at start-up (open work, said here, not hidden):
-# strict where the failure is deterministic, so that a fix shows as an unexpected pass.
-KNOWN_GAPS = {
-    "simple-gemma3_text-bounded-ssd": (False, "a sliding-window model's entries after a "
-                                       "restart serve less than the memory tier did"),
-    "batching-gpt_oss-fp16-ssd": (False, "a sliding-window model's entries after a restart "
-                                  "serve less than the memory tier did"),
-}
-PARAMS = [pytest.param(c, marks=pytest.mark.xfail(strict=KNOWN_GAPS[c.name][0],
-                                                  reason=KNOWN_GAPS[c.name][1]))
-          if c.name in KNOWN_GAPS else c for c in CELLS]
-
 
 @pytest.fixture(scope="module")
 def bench(tiny_model, tmp_path_factory, start_server):
     return matrix.Bench(HOST, matrix.model_dirs(tiny_model, tmp_path_factory), start_server)
 
 
-@pytest.mark.parametrize("cell", PARAMS, ids=lambda c: c.name)
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
 def test_cell(cell, bench, redis_server, tmp_path):
     bench.check(cell, redis_server, tmp_path)

@@ -29,7 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvplugin.cache.layers import entry_nbytes, entry_tokens, layer_bits
+import mlx.core as mx
+
+from kvplugin.cache.layers import entry_arrays, entry_nbytes, entry_tokens, layer_bits
 from kvplugin.cache.bounded.prealloc import rewind_decode
 from kvplugin.cache.memory.admission import AdmissionControl
 from kvplugin.cache.store.prompts import RecentPrompts
@@ -232,6 +234,11 @@ class KVService(Holdings, Persistence, Reporting):
             # The codec's temporaries stay in MLX's buffer cache, where the next prefill's
             # buffers of other sizes would stack on them: handed back at once instead.
             self.release_memory()
+        # Evaluated here, in the thread whose streams built it: a spill or a shut-down flush
+        # on another thread cannot evaluate a graph made on this one's stream.
+        arrays = entry_arrays(entry)
+        if arrays:
+            mx.eval(arrays)
         after = entry_nbytes(entry)
         with self._lock:
             self.counters.entries_stored += 1

@@ -57,6 +57,11 @@ def install(patches: PatchRegistry, adapter: Any, scheduler: Any, memory_cache: 
         for name, step in plan.steps.items():
             patches.replace(getattr(mlc, name), "step", step)
         install_batch_of_one(patches, mlc)
+        if hasattr(sched, "SNAPSHOT_REFRESH_TOKENS"):
+            # The host re-snapshots an entry that cannot be trimmed (sliding windows) only
+            # after this many new tokens, since its hit left the old one in place; a hit on
+            # kvplugin's store moves the entry out, so every turn's snapshot must come back.
+            patches.replace(sched, "SNAPSHOT_REFRESH_TOKENS", 0)
         if plan.bound is not None:
             install_bound(patches, rt.service, sched, mlc)
     if not rt.service.may_persist():
