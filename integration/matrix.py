@@ -72,6 +72,9 @@ class Run:
     #: tokens the reading server's store served in phase 2 (kvplugin's own count: a host
     #: mode may report no cached tokens to the client); None on stock
     phase2_served: int | None = None
+    #: prompt tokens the host's own cache statistics say it served over the run (hosts
+    #: whose responses carry no cached tokens); None where the host counts none
+    host_counted: int | None = None
 
 
 def _ask(srv: Any, messages: list, seed: int | None) -> tuple[str, int]:
@@ -141,6 +144,8 @@ class Host:
     budget_flags: tuple[str, ...] = ()  # a budget so small that every entry spills
     #: (mode, family) -> the start-up line that says why kvplugin keeps nothing there
     not_served: dict = field(default_factory=dict)
+    #: the prompt tokens a server's own cache statistics say it served (stock included)
+    counted: Callable[[Any], int | None] | None = None
 
     def seed(self, mode: str) -> int | None:
         return 0 if mode in self.seeded_modes else None
@@ -234,6 +239,7 @@ class Bench:
             flags = () if stock else (*OPTIONS[cell.option], *extra)
             host = Host(cmd=host.cmd, seeded_modes=host.seeded_modes,
                         budget_flags=host.budget_flags, not_served=host.not_served,
+                        counted=host.counted,
                         mode_flags={cell.mode: (*host.mode_flags[cell.mode], *flags)})
             cell = Cell(cell.mode, cell.family, "fp16", cell.tier)
         env = {"KVPLUGIN_DISABLE": "1"} if stock else None
@@ -243,6 +249,8 @@ class Bench:
             run, servers = workload(host, cell, self._starter(cell.family, started, env),
                                     redis.url if redis is not None else None, tmp)
             stats = servers[-1].get("/kvplugin/stats") if not stock else {}
+            if host.counted is not None and cell.tier == "hot":
+                run.host_counted = host.counted(servers[-1])
             logs = "\n".join(line for srv in servers for line in srv.log_text().splitlines()
                               if line.startswith("kvplugin:"))
         finally:
@@ -277,6 +285,8 @@ class Bench:
                 assert run.answers == same.answers, (why, same.answers)
         elif cell.option != "bounded":  # never less reuse than stock
             assert sum(run.reused) >= sum(stock.reused), (why, stock.reused)
+            if stock.host_counted is not None:
+                assert (run.host_counted or 0) >= stock.host_counted, (why, stock.host_counted)
         if cell.option in EXACT:
             assert run.answers == stock.answers, (why, stock.answers)
         elif cell.option == "bounded" and self.no_reuse is not None:

@@ -19,9 +19,17 @@ VERSION = harness.host_version("mlx-lm")
 HOST = matrix.Host(cmd=harness.vllm_mlx_serve_cmd,
                    mode_flags={"simple": (), "batching": ("--continuous-batching",)},
                    budget_flags=("--cache-memory-mb", "1"),
-                   not_served={("batching", "mamba"): "every layer is recurrent state"})
+                   not_served={("batching", "mamba"): "every layer is recurrent state"},
+                   counted=lambda srv: served_by_engine(srv.get("/v1/cache/stats")))
 CELLS = matrix.cells(["simple", "batching"],
                      ["llama", *(f for f in FAMILIES if available(f, VERSION))])
+
+def served_by_engine(stats: dict) -> int | None:
+    """vllm-mlx's own prefix-cache count of prompt tokens served (its responses carry no
+    cached tokens): ``tokens_saved`` of ``/v1/cache/stats``; None where the mode has none."""
+    engine = stats.get("engine_cache") or {}
+    return engine.get("tokens_saved") if isinstance(engine, dict) else None
+
 
 @pytest.fixture(scope="module")
 def bench(tiny_model, tmp_path_factory, start_server):
