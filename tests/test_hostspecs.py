@@ -25,7 +25,7 @@ from kvplugin.hostspecs import BUILTIN_HOSTS, KNOWN_HOSTS, UNSUPPORTED_HOSTS, de
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 TOX = (ROOT / "tox.ini").read_text()
-PIN = re.compile(r"\b(mlx-lm|vllm-mlx)==([0-9][0-9.]*[0-9])")
+PIN = re.compile(r"\b(mlx-lm|vllm-mlx|mlx-openai-server)==([0-9][0-9.]*[0-9])")
 
 
 def _requirements(extra: str) -> list[Requirement]:
