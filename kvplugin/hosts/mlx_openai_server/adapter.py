@@ -55,13 +55,16 @@ class MlxOpenaiServerAdapter(HostAdapter, declaration=MLX_OPENAI_SERVER):
                 == ["model_cfg"], "app.server.create_handler_from_config(model_cfg)")
         require(list(inspect.signature(server.setup_server).parameters) == ["config_args"],
                 "app.server.setup_server(config_args)")
-        require(callable(getattr(server.HandlerProcessProxy, "_call", None)),
-                "HandlerProcessProxy._call")
+        for name in ("_call", "_wait_for_ready"):
+            require(callable(getattr(server.HandlerProcessProxy, name, None)),
+                    f"HandlerProcessProxy.{name}")
         from kvplugin.hosts.mlx_openai_server.routes import wrap_setup_server
 
         patches.replace(server, "setup_server", wrap_setup_server(server.setup_server, server))
         patches.replace(server, "create_handler_from_config",
                         self._wrap_create_handler(server.create_handler_from_config))
+        proxy = server.HandlerProcessProxy
+        patches.replace(proxy, "_wait_for_ready", _wrap_wait_for_ready(proxy._wait_for_ready))
 
     def add_options(self, cli: Any) -> None:
         """``app.cli`` finished importing (server process): kvplugin's options on ``launch``."""
@@ -136,6 +139,25 @@ class MlxOpenaiServerAdapter(HostAdapter, declaration=MLX_OPENAI_SERVER):
         with self._state_lock:
             self.service = None
             self._child_state = "pending"
+
+
+def _wrap_wait_for_ready(original: Callable) -> Callable:
+    """The model process stopped at start-up with exit code 2 (kvplugin's, or a plugin's,
+    refusal of the configuration, said on the shared stderr): the server stops with it,
+    before it listens, instead of the host's generic start-up failure."""
+
+    @wraps_original(original)
+    async def _wait_for_ready(proxy: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await original(proxy, *args, **kwargs)
+        except RuntimeError:
+            process = getattr(proxy, "_process", None)
+            if process is not None and not process.is_alive() and process.exitcode == 2:
+                fail_start("kvplugin: the model process refused to start (exit code 2; "
+                           "its reason is above)", hard=True)
+            raise
+
+    return _wait_for_ready
 
 
 ADAPTER = MlxOpenaiServerAdapter()
