@@ -114,7 +114,8 @@ def test_the_ssd_tier_holds_checked_files_and_serves_them(start_server, tmp_path
 def test_the_single_request_path_answers_as_stock_and_reuses_at_least_as_much(start_server,
                                                                               stock):
     srv = start_server(mlx_openai_server_cmd, "--disable-batching")
-    ours, theirs = conversation(srv, TURNS[:2]), conversation(stock, TURNS[:2])
+    turns = ("Tell me about the mill by the river.", "Who owns it?")  # new to both servers
+    ours, theirs = conversation(srv, turns), conversation(stock, turns)
     assert [a for a, _ in ours] == [a for a, _ in theirs]
     assert ours[-1][1] >= theirs[-1][1] > 0, (ours, theirs)
     assert srv.get("/kvplugin/stats")["store_hits"] >= 1
