@@ -156,9 +156,9 @@ MLX_OPENAI_SERVER = HostDeclaration(
             "--port", "{port}", "--served-model-name", "{served_model_name}", "--no-log-file"),
     request_needs_model=True,
     budget_args=("--max-bytes", "{bytes}", "--prompt-cache-size", "1000"),
-    install='pip install "kvplugin[mlx-openai-server]" torch==2.13.0 --extra-index-url '
-            'https://download.pytorch.org/whl/cpu && pip install --no-deps outlines==1.1.1 '
-            '"mlx-openai-server==1.8.1"',
+    install='pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && '
+            'pip install "kvplugin[mlx-openai-server]" && '
+            'pip install --no-deps outlines==1.1.1 "mlx-openai-server==1.8.1"',
     # It declares torch (through outlines), torchvision, mlx-vlm, mflux and audio packages;
     # its text path needs only outlines' import of torch, from a CPU-only wheel.
     extra_requires_host=False,
