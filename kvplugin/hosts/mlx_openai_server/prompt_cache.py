@@ -89,7 +89,9 @@ class KVPluginOaiPromptCache:
                 key="oai:insert-failed")
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
-        self.service.trim_to(n_bytes=n_bytes, n_entries=n_sequences)
+        # the batched path asks for its budget minus the live batch, which may be below zero
+        self.service.trim_to(n_bytes=None if n_bytes is None else max(0, n_bytes),
+                             n_entries=None if n_sequences is None else max(0, n_sequences))
 
     def close(self) -> None:
         """Shut-down (the handler's cleanup): the store is closed, its SSD tier kept."""
