@@ -119,3 +119,13 @@ def test_the_single_request_path_answers_as_stock_and_reuses_at_least_as_much(st
     assert [a for a, _ in ours] == [a for a, _ in theirs]
     assert ours[-1][1] >= theirs[-1][1] > 0, (ours, theirs)
     assert srv.get("/kvplugin/stats")["store_hits"] >= 1
+
+
+def test_max_bytes_is_the_stores_budget(start_server):
+    budget = 100_000  # two or three of these short conversations' entries
+    srv = start_server(mlx_openai_server_cmd, "--max-bytes", str(budget))
+    for text in (*TURNS, *OTHER):
+        conversation(srv, (text,), max_tokens=4)
+    stats = srv.get("/kvplugin/stats")
+    assert 0 < stats["store_bytes"] <= budget, stats
+    assert stats["store_evictions"] >= 1, stats
