@@ -40,6 +40,7 @@ class MlxOpenaiServerAdapter(HostAdapter, declaration=MLX_OPENAI_SERVER):
         self.service: Any = None  # the child's service (one per model process)
         self.child_patches = PatchRegistry()  # the child's seams, patched on its first lm handler
         self._child_state = "pending"  # pending -> patched | stock
+        self._cache_mod: Any = None  # mlx_lm.models.cache, set by the child's install
 
     # -- install -----------------------------------------------------------------------
     def install(self, module: Any) -> bool:
@@ -129,8 +130,6 @@ class MlxOpenaiServerAdapter(HostAdapter, declaration=MLX_OPENAI_SERVER):
             self.child_patches.replace(getattr(self._cache_mod, cls), "step", step)
         self.say_active(service)
         return service
-
-    _cache_mod: Any = None  # mlx_lm.models.cache, set by the child's install
 
     # -- uninstall ---------------------------------------------------------------------------
     def uninstall(self) -> None:
