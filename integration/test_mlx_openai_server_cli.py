@@ -86,3 +86,20 @@ def test_a_plugin_refusing_the_configuration_stops_the_server(tiny_model, refusi
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert "kvp-refuse: refusing to serve on mlx-openai-server" in out.stderr, out.stderr[-2000:]
     assert "Uvicorn running" not in out.stdout + out.stderr
+
+
+def test_an_unsupported_version_is_stock_said_once(start_server, tmp_path):
+    # a newer release's metadata first on the path: what `importlib.metadata` then reports
+    info = tmp_path / "site" / "mlx_openai_server-1.9.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-openai-server\n"
+                                   "Version: 1.9.0\n")
+    cache_dir = tmp_path / "stock-cache"
+    srv = start_server(mlx_openai_server_cmd, "--prompt-cache-dir", str(cache_dir),
+                       env={"PYTHONPATH": str(tmp_path / "site")})
+    srv.chat("Tell me about the bridge.", max_tokens=4)
+    assert srv.request("GET", "/kvplugin/stats")[0] == 404
+    assert list(cache_dir.glob("*.pkl")), "stock's own prompt cache pickles its entries"
+    lines = [ln for ln in srv.log_text().splitlines() if ln.startswith("kvplugin:")]
+    assert lines == ["kvplugin: mlx-openai-server 1.9.0 is outside kvplugin's supported range "
+                     "<1.9,>=1.8.1; mlx-openai-server runs stock"], lines
