@@ -45,7 +45,7 @@ def start_server(tiny_model, tmp_path_factory):
     started: list[harness.ServerProcess] = []
 
     def start(cmd, *extra, env=None, model=None, model_dir=None, **kwargs):
-        if model is None and cmd is harness.vllm_mlx_serve_cmd:
+        if model is None and cmd in (harness.vllm_mlx_serve_cmd, harness.mlx_openai_server_cmd):
             model = harness.SERVED_MODEL_NAME
         port = harness.free_port()
         srv = harness.ServerProcess(

@@ -9,7 +9,12 @@ import os
 from typing import Any, Callable, Mapping
 
 from kvplugin.tools.hostcmd import *  # noqa: F403  (the harness API)
-from kvplugin.tools.hostcmd import SERVED_MODEL_NAME, free_port, vllm_mlx_serve_cmd
+from kvplugin.tools.hostcmd import (
+    SERVED_MODEL_NAME,
+    free_port,
+    mlx_openai_server_cmd,
+    vllm_mlx_serve_cmd,
+)
 from kvplugin.tools.hostproc import *  # noqa: F403  (the harness API)
 from kvplugin.tools.hostproc import ServerProcess
 
@@ -34,7 +39,7 @@ def server_fixture(
     """
     import pytest
 
-    if model is None and cmd is vllm_mlx_serve_cmd:
+    if model is None and cmd in (vllm_mlx_serve_cmd, mlx_openai_server_cmd):
         model = SERVED_MODEL_NAME
 
     @pytest.fixture(scope=scope)

@@ -24,7 +24,11 @@ import sys
 from kvplugin.hostspecs import KNOWN_HOSTS, UNSUPPORTED_HOSTS
 
 # host module -> adapter module (with an ``on_import(module)`` function)
-TRIGGERS: dict[str, str] = {decl.trigger_module: decl.adapter_module for decl in KNOWN_HOSTS}
+TRIGGERS: dict[str, str] = {
+    module: decl.adapter_module
+    for decl in KNOWN_HOSTS
+    for module in (decl.trigger_module, *getattr(decl, "also_triggers", ()))
+}
 # trigger modules of hosts kvplugin recognizes and never patches: ``python -m`` runs their own
 # code, after the start-up line
 STOCK_MAIN: set[str] = {decl.trigger_module for decl in UNSUPPORTED_HOSTS}
@@ -130,6 +134,8 @@ def run_trigger(adapter: str, module) -> None:
     """Install the adapter for a freshly imported host module; never raise."""
     try:
         if disabled():
+            if _spawned_child():  # its parent process said it already
+                return
             from kvplugin.log import say
 
             say(f"disabled by KVPLUGIN_DISABLE; {module.__name__} runs stock", key="disabled")
@@ -144,6 +150,12 @@ def run_trigger(adapter: str, module) -> None:
             say(f"not active ({type(exc).__name__}: {exc}); the host runs stock", key="error")
         except Exception:
             pass
+
+
+def _spawned_child() -> bool:
+    """A ``multiprocessing`` child (its name is set before it imports its parent's modules)."""
+    process = sys.modules.get("multiprocessing.process")
+    return process is not None and process.current_process().name != "MainProcess"
 
 
 def _active() -> bool:

@@ -37,7 +37,7 @@ class HostDeclaration:
     __slots__ = ("name", "distribution", "supported", "trigger_module", "adapter", "label",
                  "console_script", "launch", "module_launch", "request_needs_model",
                  "budget_args", "launch_env", "install", "extra_requires_host", "tox_prefix",
-                 "tested")
+                 "tested", "also_triggers")
 
     def __init__(
         self,
@@ -58,6 +58,7 @@ class HostDeclaration:
         extra_requires_host: bool = True,
         tox_prefix: str = "",
         tested: tuple[str, ...] = (),
+        also_triggers: tuple[str, ...] = (),
     ) -> None:
         # "mlx-lm": the adapter's, the CLI's (--host) and the pip extra's name
         self.name = name
@@ -85,6 +86,9 @@ class HostDeclaration:
         self.extra_requires_host = extra_requires_host
         self.tox_prefix = tox_prefix  # tox env "<prefix>-<version digits>" per tested version
         self.tested = tested  # the versions the tox matrix runs
+        # More host modules whose import calls the adapter's on_import(module): a command-line
+        # module that finishes importing only after the trigger module it imports
+        self.also_triggers = also_triggers
 
     def __repr__(self) -> str:
         return f"HostDeclaration(name={self.name!r}, supported={self.supported!r})"
@@ -137,7 +141,32 @@ VLLM_MLX = HostDeclaration(
     tested=("0.5.0", "0.6.0"),
 )
 
-BUILTIN_HOSTS: tuple[HostDeclaration, ...] = (MLX_LM, VLLM_MLX)
+MLX_OPENAI_SERVER = HostDeclaration(
+    name="mlx-openai-server",
+    distribution="mlx-openai-server",
+    supported=">=1.8.1,<1.9",
+    # Imported in both of its processes: the server (through app.cli / app.main) and the
+    # spawned child that runs the model (its worker imports it by name).
+    trigger_module="app.server",
+    also_triggers=("app.cli",),  # the `launch` command, defined after app.server is imported
+    adapter="kvplugin.hosts.mlx_openai_server:ADAPTER",
+    label="mlx-openai-server launch",
+    console_script="mlx-openai-server",
+    launch=("launch", "--model-path", "{model}", "--model-type", "lm", "--host", "{host}",
+            "--port", "{port}", "--served-model-name", "{served_model_name}", "--no-log-file"),
+    request_needs_model=True,
+    budget_args=("--max-bytes", "{bytes}", "--prompt-cache-size", "1000"),
+    install='pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && '
+            'pip install "kvplugin[mlx-openai-server]" && '
+            'pip install --no-deps outlines==1.1.1 "mlx-openai-server==1.8.1"',
+    # It declares torch (through outlines), torchvision, mlx-vlm, mflux and audio packages;
+    # its text path needs only outlines' import of torch, from a CPU-only wheel.
+    extra_requires_host=False,
+    tox_prefix="oai",
+    tested=("1.8.1",),
+)
+
+BUILTIN_HOSTS: tuple[HostDeclaration, ...] = (MLX_LM, VLLM_MLX, MLX_OPENAI_SERVER)
 
 
 class UnsupportedHost:

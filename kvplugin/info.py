@@ -132,6 +132,7 @@ def render(info: Mapping[str, Any]) -> str:
              f"\nstatus: {act['state']} — {act['why']}",
              f"  activation file: {act['pth'] or 'MISSING'}"]
     lines.append("\nhosts:")
+    width = max((len(h["name"]) for h in info["hosts"]), default=10)
     for h in info["hosts"]:
         if h["version"] is None:
             state = "not installed"
@@ -139,7 +140,8 @@ def render(info: Mapping[str, Any]) -> str:
             state = f"{h['version']} (supported)"
         else:
             state = f"{h['version']} (UNSUPPORTED: runs stock)"
-        lines.append(f"  {h['name']:<10} {state:<32} supported range: {h['supported_range']}")
+        lines.append(f"  {h['name']:<{width}} {state:<32} supported range: "
+                     f"{h['supported_range']}")
     lines.append("\nplugins:")
     lines += [f"  {p['name']:<20} {p['origin']}" for p in info["plugins"]]
     lines.append(f"\nconfiguration file: {info['config_file'] or 'none'}")

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-from kvplugin.hostspecs import MLX_LM, VLLM_MLX, HostDeclaration
+from kvplugin.hostspecs import MLX_LM, MLX_OPENAI_SERVER, VLLM_MLX, HostDeclaration
 
 __all__ = [
     "HOST",
@@ -38,6 +38,7 @@ __all__ = [
     "mlx_lm_server_cmd",
     "mlx_lm_module_cmd",
     "vllm_mlx_serve_cmd",
+    "mlx_openai_server_cmd",
 ]
 
 HOST = "127.0.0.1"
@@ -144,3 +145,13 @@ def vllm_mlx_serve_cmd(
     """``<venv>/bin/vllm-mlx serve DIR --host 127.0.0.1 --port P --offline
     --served-model-name tinyllama *extra``. Send ``model=SERVED_MODEL_NAME``."""
     return host_cmd(VLLM_MLX, model_dir, port, *extra, served_model_name=served_model_name)
+
+
+def mlx_openai_server_cmd(
+    model_dir: Path | str, port: int, *extra: str, served_model_name: str = SERVED_MODEL_NAME
+) -> list[str]:
+    """``<venv>/bin/mlx-openai-server launch --model-path DIR --model-type lm --host 127.0.0.1
+    --port P --served-model-name tinyllama --no-log-file *extra``. Send
+    ``model=SERVED_MODEL_NAME``."""
+    return host_cmd(MLX_OPENAI_SERVER, model_dir, port, *extra,
+                    served_model_name=served_model_name)

@@ -44,6 +44,7 @@ from kvplugin.tools import hostcmd
 from kvplugin.tools.bench.report import Goal, Progress, environment, goals_table, save_results
 from kvplugin.tools.bench.server_phases import (
     RssSampler,
+    model_pid,
     phase_decode,
     phase_fit,
     phase_memory,
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for kind in kinds:  # one after the other; both stay up for the interleaved decode
                 live[kind] = servers.start(kind, main_args)
-                samplers[kind] = RssSampler(live[kind].pid).start()
+                samplers[kind] = RssSampler(model_pid(live[kind].pid)).start()
             per_server = 3 + 4 * len(args.sizes) * args.repeats + args.conversations * args.turns
             for kind in kinds:
                 srv = live[kind]
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["kvplugin"]["stats"] = {k: v for k, v in stats.items() if k != "entries"}
             res["kvplugin"]["entries_sample"] = (stats.get("entries") or [])[-4:]
             for kind in kinds:
-                _, hwm = read_memory(live[kind].pid)
+                _, hwm = read_memory(samplers[kind].pid)
                 res[kind]["vm_hwm"] = hwm
         finally:
             for s in samplers.values():

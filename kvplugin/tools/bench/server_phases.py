@@ -52,6 +52,11 @@ def read_cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def _cpu_seconds(pids: set[int]) -> float | None:
+    seconds = [read_cpu_seconds(p) for p in pids]
+    return None if None in seconds else sum(seconds)
+
+
 def _ps_rss(pid: int) -> tuple[int | None, int | None]:
     """(RSS, None) via ``ps`` (macOS and other systems without /proc)."""
     out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True,
@@ -70,6 +75,20 @@ def read_memory(pid: int) -> tuple[int | None, int | None]:
         return _ps_rss(pid)
     except (OSError, ValueError, subprocess.SubprocessError):
         return None, None
+
+
+def model_pid(pid: int) -> int:
+    """The process that holds the model: ``pid``, or the largest of its child processes for a
+    host that runs its model in one (mlx-openai-server spawns a process per model)."""
+    children: list[int] = []
+    for task in (os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ()):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    sized = [(read_memory(c)[0] or 0, c) for c in children]
+    return max(sized)[1] if sized else pid
 
 
 class RssSampler:
@@ -290,18 +309,30 @@ def phase_fit(srv: ServerProcess, maker: TextMaker, *, budget: int, prefix: int,
         raise DemoFailed("the tiny model's vocabulary has no more distinct first tokens for "
                          "the conversations-held phase; use a smaller --fit-max")
 
+    # a host without /v1/completions (mlx-openai-server): the same texts as chat turns
+    chat = srv.request("GET", "/v1/completions")[0] == 404
+
+    def ask(conversation: Any) -> dict:
+        if chat:
+            return srv.chat(conversation, max_tokens=1, temperature=0.0)
+        return srv.complete(conversation, max_tokens=1, temperature=0.0)
+
     def fits(n: int) -> bool:
-        prompts, cold_s = [], []
+        prompts: list[Any] = []
+        cold_s = []
         for i in range(n):
             prompt = new_prompt(i)
             t0 = time.perf_counter()
-            r = srv.complete(prompt, max_tokens=1, temperature=0.0)
+            r = ask([_msg("user", prompt)] if chat else prompt)
             cold_s.append(time.perf_counter() - t0)
-            prompts.append(prompt + hostproc.answer_text(r))
+            answer = hostproc.answer_text(r)
+            prompts.append([_msg("user", prompt), _msg("assistant", answer)] if chat
+                           else prompt + answer)
             bar.update(1)
         before = (get_stats(srv) or {}) if kvplugin else {}
         t0 = time.perf_counter()
-        out = srv.complete(prompts[0] + " And then?", max_tokens=1, temperature=0.0)
+        out = ask([*prompts[0], _msg("user", "And then?")] if chat
+                  else prompts[0] + " And then?")
         seconds = time.perf_counter() - t0
         bar.update(1)
         row: dict[str, Any] = {"n": n, "probe_s": seconds, "cold_s_median": _median(cold_s),
@@ -375,11 +406,11 @@ def phase_decode(servers: Mapping[str, ServerProcess], maker: TextMaker, *, roun
         conv = [_msg("user", _system(maker, prompt, ("decode", i)))]
         order = names if i % 2 == 0 else names[::-1]
         for name in order:
-            pid = servers[name].pid
-            c0 = read_cpu_seconds(pid)
+            pids = {servers[name].pid, model_pid(servers[name].pid)}  # and its model process
+            c0 = _cpu_seconds(pids)
             r = stream_chat(servers[name], conv, max_tokens=tokens)
             time.sleep(0.05)  # the request's tail (storing the cache) is server CPU time too
-            c1 = read_cpu_seconds(pid)
+            c1 = _cpu_seconds(pids)
             row = r.to_dict()
             row["cpu_s"] = None if c0 is None or c1 is None else c1 - c0
             samples[name].append(row)

@@ -1,0 +1,131 @@
+"""Real ``mlx-openai-server launch`` processes on the tiny model: stock beside kvplugin.
+
+Multi-turn chats, serial and concurrent, answer exactly as stock's (fp16) and reuse at least
+the prompt tokens stock reuses (the host reports them in ``usage.prompt_tokens_details.
+cached_tokens``); stock pickles every entry into ``--prompt-cache-dir``, kvplugin writes no
+pickle there, ever.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import harness
+import pytest
+from harness import answer_text, cached_tokens, mlx_openai_server_cmd
+
+TURNS = ("Tell me about the old stone bridge.", "Why was it built there?",
+         "Who repairs it now?")
+OTHER = ("Describe the harbour at dawn.", "What do the boats carry?")
+
+
+def _dir(tmp_path_factory, name: str):
+    return tmp_path_factory.mktemp(name) / "prompt-cache"
+
+
+@pytest.fixture(scope="module")
+def stock_dir(tmp_path_factory):
+    return _dir(tmp_path_factory, "stock")
+
+
+@pytest.fixture(scope="module")
+def kvp_dir(tmp_path_factory):
+    return _dir(tmp_path_factory, "kvplugin")
+
+
+@pytest.fixture(scope="module")
+def stock(start_server, stock_dir):
+    return start_server(mlx_openai_server_cmd, "--prompt-cache-dir", str(stock_dir),
+                        env={"KVPLUGIN_DISABLE": "1"})
+
+
+@pytest.fixture(scope="module")
+def kvp(start_server, kvp_dir):
+    return start_server(mlx_openai_server_cmd, "--prompt-cache-dir", str(kvp_dir))
+
+
+def conversation(srv, turns, max_tokens: int = 12) -> list[tuple[str, int]]:
+    """Each turn's answer and the prompt tokens the server says it reused."""
+    messages, out = [], []
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        response = srv.chat(messages, max_tokens=max_tokens)
+        answer = answer_text(response)
+        out.append((answer, cached_tokens(response)))
+        messages.append({"role": "assistant", "content": answer})
+    return out
+
+
+def test_the_host_is_installed():
+    assert harness.host_version("mlx-openai-server") == "1.8.1"
+
+
+def test_a_serial_chat_answers_as_stock_and_reuses_at_least_as_much(stock, kvp):
+    ours, theirs = conversation(kvp, TURNS), conversation(stock, TURNS)
+    assert [a for a, _ in ours] == [a for a, _ in theirs]
+    assert all(a.strip() for a, _ in ours), ours
+    for (_, mine), (_, stocks) in zip(ours, theirs):
+        assert mine is not None and stocks is not None
+        assert mine >= stocks, (ours, theirs)
+    assert sum(n for _, n in ours[1:]) > 0, ours  # later turns reuse the earlier ones
+    stats = kvp.get("/kvplugin/stats")
+    assert stats["store_hits"] >= len(TURNS) - 1, stats
+    assert "kvplugin: active on mlx-openai-server 1.8.1" in kvp.log_text()
+
+
+def test_concurrent_chats_answer_as_stock(stock, kvp):
+    serial = {turns: conversation(stock, turns) for turns in (TURNS[:2], OTHER)}
+    with ThreadPoolExecutor(2) as pool:
+        both = dict(zip(serial, pool.map(lambda t: conversation(kvp, t), serial)))
+    for turns, answers in both.items():
+        assert [a for a, _ in answers] == [a for a, _ in serial[turns]], turns
+        assert answers[-1][1] >= serial[turns][-1][1], (answers, serial[turns])
+
+
+def test_stock_pickles_its_entries_and_kvplugin_never_does(stock, kvp, stock_dir, kvp_dir):
+    conversation(stock, TURNS[:1])
+    conversation(kvp, TURNS[:1])
+    assert list(stock_dir.glob("*.pkl")), "stock wrote no pickle: the comparison proves nothing"
+    assert not [p for p in kvp_dir.rglob("*") if p.suffix in (".pkl", ".tmp")]
+
+
+def test_metrics_are_kvplugins_series(kvp):
+    text = kvp.get("/metrics")
+    assert "kvplugin_entries_stored_total" in text, text[:500]
+
+
+def test_the_ssd_tier_holds_checked_files_and_serves_them(start_server, tmp_path):
+    cache_dir = tmp_path / "tier"
+    srv = start_server(mlx_openai_server_cmd, "--prompt-cache-dir", str(cache_dir),
+                       "--prompt-cache-size", "1")
+    first = conversation(srv, TURNS[:1])
+    conversation(srv, OTHER[:1])  # evicts the first conversation to the SSD tier
+    again = srv.chat([{"role": "user", "content": TURNS[0]},
+                      {"role": "assistant", "content": first[0][0]},
+                      {"role": "user", "content": TURNS[1]}], max_tokens=4)
+    stats = srv.get("/kvplugin/stats")
+    assert stats["store_spills"] >= 1 and stats["store_cold_hits"] >= 1, stats
+    assert cached_tokens(again) > 0, again
+    files = [p for p in cache_dir.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files), files
+    assert not any(p.suffix == ".pkl" for p in files), files
+
+
+def test_the_single_request_path_answers_as_stock_and_reuses_at_least_as_much(start_server,
+                                                                              stock):
+    srv = start_server(mlx_openai_server_cmd, "--disable-batching")
+    turns = ("Tell me about the mill by the river.", "Who owns it?")  # new to both servers
+    ours, theirs = conversation(srv, turns), conversation(stock, turns)
+    assert [a for a, _ in ours] == [a for a, _ in theirs]
+    assert ours[-1][1] >= theirs[-1][1] > 0, (ours, theirs)
+    assert srv.get("/kvplugin/stats")["store_hits"] >= 1
+
+
+def test_max_bytes_is_the_stores_budget(start_server):
+    budget = 100_000  # two or three of these short conversations' entries
+    srv = start_server(mlx_openai_server_cmd, "--max-bytes", str(budget))
+    for text in (*TURNS, *OTHER):
+        conversation(srv, (text,), max_tokens=4)
+    stats = srv.get("/kvplugin/stats")
+    assert 0 < stats["store_bytes"] <= budget, stats
+    assert stats["store_evictions"] >= 1, stats

@@ -1,0 +1,109 @@
+"""The prompt cache that replaces mlx-openai-server's ``LRUPromptCache``: the host's interface
+over the model process's :class:`~kvplugin.cache.service.service.KVService`.
+
+Why a class of the host's shape: ``MLXLMHandler`` builds ``LRUPromptCache(max_size=...,
+max_bytes=..., cache_dir=...)`` and its two paths call ``fetch_nearest_cache`` /
+``insert_cache`` / ``trim_to`` on it; each call becomes one call of the service. Stock keeps
+nothing in memory and pickles every entry into ``cache_dir``; here entries live in the
+service's hot tier (trimmed, maybe quantized, moved out on a hit) and spill to its SSD tier
+(``cache_dir``) as checked safetensors files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvplugin.cache.model.fingerprint import model_fingerprint
+from kvplugin.log import say
+
+__all__ = ["KVPluginOaiPromptCache"]
+
+#: the host's path that runs without a batch; the batched path's entries are tagged "batch"
+NONBATCH = "nonbatch"
+
+
+class KVPluginOaiPromptCache:
+    """mlx-openai-server's ``LRUPromptCache`` interface over one :class:`KVService`.
+
+    ``source`` tags are honoured as stock honours them: an entry made by one of the host's
+    paths (``batch`` or ``nonbatch``) is served only to a fetch that allows that path, by
+    keying each path's entries apart. ``cache_type`` is accepted and ignored: the store keeps
+    one LRU order. An exact hit leaves one token to process (stock returns none, which both
+    of the host's paths then back off by one).
+    """
+
+    #: the adapter that installed this class (set by it: the class never imports it back)
+    adapter: Any = None
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63,
+                 cache_dir: Any = None) -> None:
+        self.max_size = max_size
+        self.max_bytes = max_bytes
+        self.cache_dir = cache_dir
+        self.service = self.adapter.create_service(max_bytes=max_bytes, max_entries=max_size,
+                                                   cache_dir=cache_dir)
+        self.model: Any = None  # the nn.Module the handler runs (bind)
+        self._model_key: str | None = None
+
+    def bind(self, model: Any, *, checked: bool = True) -> None:
+        """The handler's model: entries are keyed by its fingerprint, and (``checked``) an
+        entry from a tier is checked against it before it is handed over."""
+        self.model = model if checked else None
+        self._model_key = self.service.model_key(model_fingerprint(model))
+
+    def _key(self, source: str) -> str:
+        key = self._model_key
+        if key is None:
+            raise RuntimeError("the prompt cache has no model bound")
+        # the batched path's entries keep the model's own key (shared with mlx-lm replicas)
+        return key if source == "batch" else self.service.salted_key(key, f"source:{source}")
+
+    # -- what the host calls -------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.service.entries_held
+
+    @property
+    def nbytes(self) -> int:
+        return self.service.bytes_held
+
+    def fetch_nearest_cache(self, tokens_ids: list[int], *,
+                            allowed_sources: set[str] | None = None) -> tuple[Any, list[int]]:
+        sources = sorted(allowed_sources) if allowed_sources is not None else ["batch", NONBATCH]
+        for source in sources:
+            try:
+                cache, n = self.service.fetch(self._key(source), tokens_ids, model=self.model)
+            except Exception as exc:  # a request must never fail because of the store
+                say(f"prompt cache fetch failed ({type(exc).__name__}: {exc}); serving "
+                    "without a cached prefix", key="oai:fetch-failed")
+                return None, tokens_ids
+            if cache is not None and n > 0:
+                return cache, list(tokens_ids[n:])
+        return None, tokens_ids
+
+    def insert_cache(self, tokens_ids: list[int], prompt_cache: list[Any], *,
+                     cache_type: str = "assistant", source: str = NONBATCH) -> None:
+        try:
+            self.service.give_back(self._key(source), list(tokens_ids), prompt_cache)
+        except Exception as exc:
+            say(f"prompt cache insert failed ({type(exc).__name__}: {exc}); entry dropped",
+                key="oai:insert-failed")
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        # the batched path asks for its budget minus the live batch, which may be below zero
+        self.service.trim_to(n_bytes=None if n_bytes is None else max(0, n_bytes),
+                             n_entries=None if n_sequences is None else max(0, n_sequences))
+
+    def close(self) -> None:
+        """Shut-down (the handler's cleanup): the store is closed, its SSD tier kept."""
+        self.service.close()
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        return {"kvplugin": {"n_sequences": len(self), "n_bytes": self.nbytes}}
+
+    def log_cache_stats(self) -> None:
+        """Stock logs its size after every request; kvplugin's numbers are on /kvplugin/stats."""
+
+    # -- kvplugin ----------------------------------------------------------------------
+    def report(self) -> dict:
+        """The service's report plus the host version (``GET /kvplugin/stats``)."""
+        return self.adapter.report(self.service)
