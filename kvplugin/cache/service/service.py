@@ -36,6 +36,7 @@ from kvplugin.cache.store.prompts import RecentPrompts
 from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.service.holdings import Holdings
 from kvplugin.cache.service.persist import Persistence
+from kvplugin.cache.service.pressure import quantizes_at_store, store_demotion
 from kvplugin.cache.service.report import Reporting
 from kvplugin.cache.service.fit import ModelChecker
 from kvplugin.settings import KVPluginSettings
@@ -131,6 +132,7 @@ class KVService(Holdings, Persistence, Reporting):
             on_evict=self._on_evict,
             after_evictions=self.release_memory,
             on_spill=lambda tokens, cache: self._event("spill", len(tokens), cache),
+            **store_demotion(self),
         )
         self.admission = AdmissionControl(settings, self.store, hook)
 
@@ -220,7 +222,7 @@ class KVService(Holdings, Persistence, Reporting):
         entry = cache if trimmed is None else trimmed
         self._event("trim", num_tokens, entry)
         quantized = None
-        if self.settings.kv_cache_quantization:
+        if quantizes_at_store(self.settings):  # under pressure: later, if memory asks
             quantized = self.hook.kvplugin_quantize_entry(
                 cache=entry, num_tokens=num_tokens, settings=self.settings,
                 prompt_boundaries=self._recent_prompts.boundaries(model_key, tokens or ()),
@@ -246,7 +248,7 @@ class KVService(Holdings, Persistence, Reporting):
     def stored_prefix(self, model_key: str, tokens: Sequence[int]) -> list | None:
         """What :meth:`prepare_entry`'s codec may copy rows from (None when nothing is
         quantized): call it before the entry's lent snapshot is settled."""
-        if not self.settings.kv_cache_quantization:
+        if not quantizes_at_store(self.settings):
             return None
         return self.store.stored_prefix(model_key, tokens)
 
@@ -307,13 +309,15 @@ class KVService(Holdings, Persistence, Reporting):
         if buffer_cache_bytes() > limit // 4:
             self.release_memory()
 
-    def _event(self, event: str, tokens: int, cache: list | None = None) -> None:
-        """Tell observers (``kvplugin_cache_event``) what just happened, and to how much."""
+    def _event(self, event: str, tokens: int, cache: list | None = None,
+               seconds: float = 0.0) -> None:
+        """Tell observers (``kvplugin_cache_event``) what just happened, to how much, and how
+        long its work took (0: not measured)."""
         caller = self.hook.kvplugin_cache_event
         if not caller.get_hookimpls():  # nobody listens: keep the request path free of it
             return
         nbytes = entry_nbytes(cache) if cache else 0
-        caller(event=event, tokens=int(tokens), nbytes=nbytes)
+        caller(event=event, tokens=int(tokens), nbytes=nbytes, seconds=float(seconds))
 
     def give_back(self, model_key: str, tokens: Sequence[int], cache: list, *,
                   min_tokens: int = 1) -> bool:
