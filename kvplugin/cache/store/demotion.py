@@ -52,6 +52,8 @@ class Demotion:
         self.on_demote = on_demote
         self._demoting = threading.Lock()  # one codec pass at a time, worker or inline
         self._wake = threading.Event()
+        self._idle = threading.Event()  # the worker has nothing left to do
+        self._idle.set()
         self._worker: threading.Thread | None = None
         self._stopping = False
         self._c.update(dict.fromkeys(DEMOTION_COUNTERS, 0))
@@ -159,11 +161,12 @@ class Demotion:
         with self._lock:
             if self._stopping:
                 return
+            self._idle.clear()
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, daemon=True,
                                                 name="kvplugin-demote")
                 self._worker.start()
-        self._wake.set()
+            self._wake.set()
 
     def _work(self) -> None:
         while True:
@@ -174,13 +177,21 @@ class Demotion:
                     high = self._index.nbytes > HIGH_WATER * self.max_bytes
                 if not high or not self._demote_one(inline=False):
                     break
+            with self._lock:
+                if not self._wake.is_set():
+                    self._idle.set()
             if self._stopping:
                 return
+
+    def settle(self, timeout: float = 30.0) -> bool:
+        """Wait until the worker has demoted what it was woken for (True: it has)."""
+        return self._idle.wait(timeout)
 
     def _stop_demotion(self) -> None:
         """Stop the worker (shut-down): a pass in flight finishes first."""
         self._stopping = True
         self._wake.set()
+        self._idle.set()
         worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=30)
