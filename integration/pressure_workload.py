@@ -70,18 +70,18 @@ def scrape(srv) -> dict[str, float]:
 
 
 def check_demoted_not_evicted(srv, always, budget: int) -> None:
-    """Entries were demoted, some are still full precision, and ``/metrics`` says so."""
+    """Entries were demoted (some were hit at full precision first), and ``/metrics`` says so."""
     stats = srv.get("/kvplugin/stats")
     assert stats["quantization"]["policy"] == "pressure"
     assert stats["demotions"] > 0 and stats["bytes_saved_by_demotion"] > 0
     assert stats["store_bytes"] <= budget
-    full = [e for e in stats["entries"] if all(b is None for b in e["bits"])]
-    assert full and len(full) < len(stats["entries"])  # which are quantized depends on load
+    assert any(all(b is not None for b in e["bits"]) for e in stats["entries"])  # demoted
     metrics = scrape(srv)
     assert metrics["kvplugin_demotions_total"] == stats["demotions"]
     assert metrics["kvplugin_hits_full_total"] == stats["hits_full"] >= 1
     assert metrics["kvplugin_hits_demoted_total"] == stats["hits_demoted"]
     assert always.get("/kvplugin/stats")["demotions"] == 0
+    assert "demoting an entry failed" not in srv.log_text()  # the worker thread's codec ran
 
 
 def check_full_hits_answer_as_stock(pressure: dict, stock: dict) -> None:
@@ -96,5 +96,5 @@ def check_kept(pressure: dict, always: dict, fp16_holds: int) -> None:
     """At least the conversations ``always`` keeps, more than the budget holds at fp16."""
     kept = {name: sum(reused >= KEPT for _, reused, _ in run.values())
             for name, run in (("always", always), ("pressure", pressure))}
-    assert kept["pressure"] >= kept["always"] >= 1, kept
+    assert kept["pressure"] >= kept["always"] >= 1, (kept, pressure, always)
     assert kept["pressure"] > fp16_holds, kept

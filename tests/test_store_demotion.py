@@ -58,7 +58,7 @@ def precision(svc: KVService) -> dict[int, str]:
 @pytest.fixture
 def no_worker(monkeypatch):
     """Only the inserting thread demotes (the high-water mark is the budget itself)."""
-    monkeypatch.setattr(demotion, "HIGH_WATER", 1.0)
+    monkeypatch.setattr(demotion.Demotion, "_high_water", lambda self: self.max_bytes)
 
 
 def test_entries_are_stored_at_full_precision_while_they_fit():
@@ -105,8 +105,8 @@ def test_eviction_follows_only_when_every_entry_is_demoted(no_worker):
     assert svc.stats()["store_evictions"] == 1 and svc.stats()["demotions"] == 3
 
 
-def test_the_worker_demotes_ahead_of_need_above_the_high_water_mark():
-    svc = service(int(2.2 * F))  # two entries: 91% of the budget, above the mark
+def test_the_worker_demotes_ahead_of_need_leaving_the_newest_entry():
+    svc = service(int(2.2 * F))  # two entries: no room for a third like them
     svc.insert("m", conv(1), filled(T))
     svc.insert("m", conv(2), filled(T))
     assert svc.store.settle()
@@ -176,3 +176,15 @@ def test_a_fetch_never_waits_for_the_codec_and_a_moved_entry_is_not_swapped():
     release.set()
     inserting.join(10)
     assert store.stats().demotions == 0 and [len(e.tokens) for e in store.entries()] == [T]
+
+
+def test_the_worker_keeps_room_for_the_next_entry_so_inserts_do_not_wait():
+    svc = service(int(3.2 * F))
+    for i in range(1, 5):  # the fourth fits only because the worker made room for it
+        svc.insert("m", conv(i), filled(T))
+        assert svc.store.settle()
+    st = svc.stats()
+    assert st["store_evictions"] == 0 and len(svc.store) == 4
+    assert st["demotions"] == 3 and st["demotions_inline"] == 0  # all ahead of need
+    assert precision(svc) == {1: "demoted", 2: "demoted", 3: "demoted", 4: "full"}
+    svc.close()

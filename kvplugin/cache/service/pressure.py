@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["quantizes_at_store", "store_demotion"]
+__all__ = ["evaluated_for_worker", "quantizes_at_store", "store_demotion"]
 
 
 def quantizes_at_store(settings: Any) -> bool:
@@ -40,3 +40,16 @@ def store_demotion(service: Any) -> dict[str, Any]:
         service._event("demote_inline" if inline else "demote", len(tokens), cache, seconds)
 
     return {"demote": demote, "on_demote": on_demote}
+
+
+def evaluated_for_worker(service: Any, entry: list) -> None:
+    """Under pressure, evaluate a new entry's arrays in the thread that made them: work still
+    pending on them belongs to that thread's MLX streams, which the demoting worker cannot run
+    ("There is no Stream(cpu, N) in current thread")."""
+    if service.store.demote is None:
+        return
+    import mlx.core as mx
+
+    from kvplugin.cache.layers import entry_arrays
+
+    mx.eval(entry_arrays(entry))

@@ -36,7 +36,8 @@ from kvplugin.cache.store.prompts import RecentPrompts
 from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.service.holdings import Holdings
 from kvplugin.cache.service.persist import Persistence
-from kvplugin.cache.service.pressure import quantizes_at_store, store_demotion
+from kvplugin.cache.service.pressure import (evaluated_for_worker, quantizes_at_store,
+                                             store_demotion)
 from kvplugin.cache.service.report import Reporting
 from kvplugin.cache.service.fit import ModelChecker
 from kvplugin.settings import KVPluginSettings
@@ -289,6 +290,7 @@ class KVService(Holdings, Persistence, Reporting):
         """
         if prompt_len is None:
             prompt_len = self._recent_prompts.prompt_len(model_key, tokens)
+        evaluated_for_worker(self, entry)
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
         if stored:
             self._event("store", len(tokens), entry)

@@ -5,8 +5,9 @@ Why: quantizing every entry as it is stored makes each turn of the active conver
 quantize and a restore even when memory is plentiful. With the ``pressure`` policy entries are
 stored at full precision, and only the bytes the budget cannot hold are bought back by the codec:
 least recently used first (the entry a conversation just stored last), ahead of need on a worker
-thread once the hot tier passes :data:`HIGH_WATER` of its budget, and in the inserting thread
-only for what an insert, or admission, still lacks. Eviction follows only when every candidate
+thread once the hot tier passes :data:`HIGH_WATER` of its budget or leaves no room for another
+entry like the last one (the newest entry it leaves alone), and in the inserting thread only for
+what an insert, or admission, still lacks. Eviction follows only when every candidate
 is demoted. The codec is the caller's ``demote`` callable: the store imports none.
 
 A fetch is never blocked behind the codec: the entry stays stored while its copy is quantized,
@@ -28,8 +29,9 @@ __all__ = ["Demote", "Demotion", "HIGH_WATER", "OnDemote"]
 
 log = logging.getLogger("kvplugin.cache")
 
-#: The share of the byte budget above which the worker thread demotes ahead of need: room for
-#: the next entries of the active conversations before an insert has to demote in its thread.
+#: The share of the byte budget above which the worker thread demotes ahead of need; it also
+#: keeps room for one more entry as large as the last one stored, whichever asks more, so the
+#: next insert of an active conversation finds room without demoting in its own thread.
 HIGH_WATER = 0.85
 
 #: ``demote(model_key, tokens, cache) -> quantized cache | None`` (None: keep it as it is). The
@@ -56,13 +58,20 @@ class Demotion:
         self._idle.set()
         self._worker: threading.Thread | None = None
         self._stopping = False
+        self._last_price = 0  # the last stored entry's bytes: the room the worker keeps
         self._c.update(dict.fromkeys(DEMOTION_COUNTERS, 0))
         self._c.update(demotion_wait_s=0.0, demotion_wait_max_s=0.0)
 
-    def _new_entry_precision(self, entry: Any) -> None:
-        """Under the lock, at insert: whether ``entry`` is a candidate for demotion."""
+    def _new_entry_precision(self, entry: Any, *, inserted: bool = True) -> None:
+        """Under the lock, as an entry is stored: whether it is a candidate for demotion."""
         entry.demotable = self.demote is not None and all(
             layer_bits(layer) is None for layer in entry.cache)
+        if inserted:
+            self._last_price = entry.nbytes
+
+    def _high_water(self) -> float:
+        """Under the lock: the bytes above which the worker demotes ahead of need."""
+        return max(0.0, min(HIGH_WATER * self.max_bytes, self.max_bytes - self._last_price))
 
     def _count_hit_precision(self, entry: Any) -> None:
         """Under the lock: a hot hit, by the precision it was served from."""
@@ -71,18 +80,21 @@ class Demotion:
         elif all(layer_bits(layer) is None for layer in entry.cache):
             self._c["hits_full"] += 1
 
-    def _candidate(self, keep: Any) -> Any:
-        """Under the lock: the least recently used demotable entry, ``keep`` only last."""
+    def _candidate(self, keep: Any, spare: bool) -> Any:
+        """Under the lock: the least recently used demotable entry, ``keep`` only last (never,
+        with ``spare``: the worker leaves the newest entry to a request that needs its room)."""
         for entry in self._index:
             if entry.demotable and entry is not keep:
                 return entry
-        return keep if keep is not None and keep.demotable else None
+        return keep if keep is not None and keep.demotable and not spare else None
 
     def _demote_one(self, keep: Any = None, *, inline: bool) -> bool:
         """Demote one candidate (False: none is left). The codec runs outside the store lock."""
         with self._demoting:
             with self._lock:
-                entry = self._candidate(keep)
+                if not inline:  # the worker: the newest entry stays at full precision
+                    keep = next(reversed(self._index.values()), None)
+                entry = self._candidate(keep, spare=not inline)
                 if entry is None:
                     return False
                 entry.demotable = False  # in flight: picked by no one else, and tried once
@@ -139,7 +151,7 @@ class Demotion:
         with self._lock:
             evicted = self._evict_until(n_bytes, 1 << 62 if n_entries is None else n_entries,
                                         keep=keep)
-            high = self.demote is not None and self._index.nbytes > HIGH_WATER * self.max_bytes
+            high = self.demote is not None and self._index.nbytes > self._high_water()
         if high:
             self._nudge()
         return evicted
@@ -174,7 +186,7 @@ class Demotion:
             self._wake.clear()
             while not self._stopping:
                 with self._lock:
-                    high = self._index.nbytes > HIGH_WATER * self.max_bytes
+                    high = self._index.nbytes > self._high_water()
                 if not high or not self._demote_one(inline=False):
                     break
             with self._lock:

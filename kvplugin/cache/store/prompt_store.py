@@ -427,6 +427,7 @@ class PromptStore(Demotion):
                     again = StoreEntry(model_key, lent.tokens, kept, entry_nbytes(kept))
                     self._index.add(model_key, lent.tokens, again)
                     self._owner[id(kept[0])] = again
+                    self._new_entry_precision(again, inserted=False)
                     self._c["lent_kept"] += 1
 
     def _fetch_cold(self, model_key, key, have: int = 0):
