@@ -101,6 +101,12 @@ def test_demo_numbers(demo_run):
     # measured in both processes; kvplugin holds less and fits more conversations
     assert 0 < sbs["kvplugin"]["held_after_bytes"] < sbs["stock"]["held_after_bytes"]
     assert sbs["kvplugin"]["conversations_in_budget"] > sbs["stock"]["conversations_in_budget"]
+    # from what the store held per conversation (its stats), once per repeat: a steady figure
+    assert len(data["held"]) == 3 and all(h["entries"] >= 1 for h in data["held"])
+    low, high = sbs["kvplugin"]["conversations_in_budget_spread"]
+    assert low <= sbs["kvplugin"]["conversations_in_budget"] <= high <= 1.1 * low, sbs
+    assert data["budget_bytes"] // data["held"][0]["bytes"] in range(low, high + 1)
+    assert data["policy"] == "always" and s["demotions"] == 0
     assert sbs["kvplugin"]["tokens_reused"] >= sbs["stock"]["tokens_reused"]
     # never worse than stock at the MLX peak of the warm turns (MLX's byte counts, the
     # entries held included): the codec's CPU temporaries once put it at 6.51 MiB against

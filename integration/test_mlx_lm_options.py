@@ -63,8 +63,12 @@ def _start_fails(tiny_model, *extra, env=None):
          "KVPLUGIN_KV_CACHE_QUANTIZATION_BITS='7'"),
         ("max_kv_size", ("--max-kv-size", "0"), None, "--max-kv-size 0"),
         ("kv_cache_step", (), {"KVPLUGIN_KV_CACHE_STEP": "-3"}, "KVPLUGIN_KV_CACHE_STEP='-3'"),
+        ("kv_cache_quantization_policy", ("--kv-cache-quantization-policy", "lazy"), None,
+         "--kv-cache-quantization-policy 'lazy'"),
+        ("kv_cache_quantization_policy", (), {"KVPLUGIN_KV_CACHE_QUANTIZATION_POLICY": "lazy"},
+         "KVPLUGIN_KV_CACHE_QUANTIZATION_POLICY='lazy'"),
     ],
-    ids=["bits-flag", "bits-env", "max-kv-size-flag", "step-env"],
+    ids=["bits-flag", "bits-env", "max-kv-size-flag", "step-env", "policy-flag", "policy-env"],
 )
 def test_bad_value_stops_the_server(tiny_model, field, extra, env, got):
     r = _start_fails(tiny_model, *extra, env=env)

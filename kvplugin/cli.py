@@ -57,6 +57,9 @@ BENCH_MODES = {
     "remote": ("kvplugin.tools.bench.remote",
                "with --server: replicas sharing a real redis-server: warm TTFT from the remote "
                "tier vs a cold prefill, bytes per hit, the cost of a miss"),
+    "pressure": ("kvplugin.tools.bench.pressure",
+                 "stock vs --kv-cache-quantization-policy always vs pressure on real servers: "
+                 "warm TTFT with room to spare, conversations kept and peaks under pressure"),
 }
 
 
@@ -69,7 +72,8 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--remote goes with --server, not --quality")
     if sum((args.memory, args.families, args.remote)) > 1:
         parser.error("--memory, --families and --remote are separate benchmarks: choose one")
-    mode = ("memory" if args.memory else "families" if args.families
+    mode = ("pressure" if args.pressure else "memory" if args.memory
+            else "families" if args.families
             else "remote" if args.remote
             else "server" if args.server
             else "quality" if args.quality
@@ -128,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--server", action="store_true", help=BENCH_MODES["server"][1])
     mode.add_argument("--quality", action="store_true", help=BENCH_MODES["quality"][1])
     mode.add_argument("--bound", action="store_true", help=BENCH_MODES["bound"][1])
+    mode.add_argument("--pressure", action="store_true", help=BENCH_MODES["pressure"][1])
     bench.add_argument("--memory", action="store_true", help=BENCH_MODES["memory"][1])
     bench.add_argument("--families", action="store_true", help=BENCH_MODES["families"][1])
     bench.add_argument("--remote", action="store_true", help=BENCH_MODES["remote"][1])

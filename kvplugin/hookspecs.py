@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 PROJECT = "kvplugin"
 #: Version 2 added ``kvplugin_unconfigure``; version 3 ``kvplugin_cache_event``; version 4
 #: ``kvplugin_admit``; version 5 the ``prompt_boundaries`` argument of
-#: ``kvplugin_quantize_entry``; version 6 its ``stored_prefix`` argument.
-HOOK_API_VERSION = 6
+#: ``kvplugin_quantize_entry``; version 6 its ``stored_prefix`` argument; version 7 the
+#: ``seconds`` argument of ``kvplugin_cache_event``.
+HOOK_API_VERSION = 7
 #: The attribute a plugin sets to the contract version it needs.
 API_VERSION_ATTR = "kvplugin_hook_api_version"
 
@@ -133,11 +134,13 @@ def kvplugin_on_evict(entry: StoreEntry, settings: KVPluginSettings) -> None:
 
 
 @hookspec
-def kvplugin_cache_event(event: str, tokens: int, nbytes: int) -> None:
+def kvplugin_cache_event(event: str, tokens: int, nbytes: int, seconds: float) -> None:
     """Observe one cache event as it happens: ``fetch`` (a hit: ``tokens`` reused),
     ``miss``, ``dequantize``, ``trim``, ``quantize``, ``store`` (``nbytes`` stored),
-    ``evict``, ``spill`` (an entry the cold tier accepted: ``nbytes`` it held in memory).
-    Results are ignored.
+    ``evict``, ``spill`` (an entry the cold tier accepted: ``nbytes`` it held in memory),
+    ``demote`` / ``demote_inline`` (the pressure policy quantized a stored entry in place, on
+    its worker / in an inserting request's thread). ``seconds``: how long the event's codec
+    work took (a demotion's; 0 where not measured). Results are ignored.
 
     Why: memory across a reuse is decided by what happens at these moments, so a tracer
     (``python -m kvplugin.tools.memtrace``) or a metrics plugin reads memory right here,

@@ -54,9 +54,11 @@ QUANTIZATION_DETAILS = (
     "kv_cache_value_bits",
     "kv_cache_sink_tokens",
     "kv_cache_recent_tokens",
+    "kv_cache_quantization_policy",
 )
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
+POLICIES = ("always", "pressure")
 
 Source = Literal["flag", "env", "file", "implied", "default"]
 
@@ -154,6 +156,13 @@ class KVPluginSettings(BaseSettings):
         "precision besides. Default: 16 with the rotated codecs below 6 bits (6 with "
         "rotated-channel-sym), else 0.",
         json_schema_extra={"allowed": "an integer >= 0"},
+    )
+    kv_cache_quantization_policy: str = Field(
+        "always",
+        description="When entries are quantized: always (as they are stored), or pressure "
+        "(stored at full precision; the least recently used are quantized in place when the "
+        "byte budget or --max-memory needs room, before any is evicted; docs/store.md).",
+        json_schema_extra={"allowed": "always, pressure"},
     )
     kv_cache_quantize_state: bool = Field(
         True,
@@ -284,11 +293,11 @@ class KVPluginSettings(BaseSettings):
             raise ValueError("not an allowed bit width")
         return v
 
-    @field_validator("kv_cache_codec")
+    @field_validator("kv_cache_codec", "kv_cache_quantization_policy")
     @classmethod
-    def _codec(cls, v: str) -> str:
-        if v not in KV_CACHE_CODECS:
-            raise ValueError("not a known codec")
+    def _choice(cls, v: str, info: ValidationInfo) -> str:
+        if v not in (KV_CACHE_CODECS if info.field_name == "kv_cache_codec" else POLICIES):
+            raise ValueError("not a known " + info.field_name.rsplit("_", 1)[-1])
         return v
 
     @field_validator("kv_cache_quantization_group_size")

@@ -29,6 +29,10 @@ class StoreEntry:
     #: How many leading tokens were the request's prompt (the rest was generated), when the
     #: session could tell; lets a later turn of the same conversation supersede this entry.
     prompt_len: int | None = None
+    #: The pressure policy may still quantize it in place (full precision, not yet tried).
+    demotable: bool = False
+    #: Quantized in place by the pressure policy (a hit on it is restored, not moved as is).
+    demoted: bool = False
 
 
 @runtime_checkable

@@ -45,7 +45,7 @@ def make(store: dict | None = None, **flags):
 
 def test_direct_call_reaches_every_implementation():
     _, ev, pm = make()
-    pm.hook.kvplugin_cache_event(event="fetch", tokens=3, nbytes=10)
+    pm.hook.kvplugin_cache_event(event="fetch", tokens=3, nbytes=10, seconds=0.0)
     assert ev.seen == [("fetch", 3, 10)]
 
 

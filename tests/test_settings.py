@@ -77,6 +77,7 @@ BAD_VALUES = [
     ("kv_cache_step", "0", "> 0"),
     ("ssd_cache_max_gb", "0", "> 0"),
     ("ssd_cache_max_gb", "lots", "> 0"),
+    ("kv_cache_quantization_policy", "sometimes", "always, pressure"),
 ]
 
 
@@ -153,3 +154,12 @@ def test_a_remote_url_password_is_never_printed(monkeypatch):
     monkeypatch.setenv("KVPLUGIN_KV_CACHE_REMOTE", "redis://user:s3cret@host:6379/0")
     text = info.render(info.collect({}))
     assert "redis://user:***@host:6379/0" in text and "s3cret" not in text
+
+
+def test_pressure_policy_implies_quantization(monkeypatch):
+    """A policy for quantized entries, given alone, means quantized entries (like the bits)."""
+    assert resolve_settings().kv_cache_quantization_policy == "always"
+    assert resolve_settings({"kv_cache_quantization_policy": "always"}).kv_cache_quantization
+    monkeypatch.setenv("KVPLUGIN_KV_CACHE_QUANTIZATION_POLICY", "pressure")
+    s = resolve_settings()
+    assert s.kv_cache_quantization and s.kv_cache_quantization_policy == "pressure"

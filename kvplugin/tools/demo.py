@@ -75,9 +75,10 @@ def _announcing_ready_check(announce: Callable[[ServerProcess], None]):
     return check
 
 
-def kvplugin_flags(bits: int, min_tokens: int) -> list[str]:
+def kvplugin_flags(bits: int, min_tokens: int, policy: str = "always") -> list[str]:
     return ["--kv-cache-quantization", "--kv-cache-quantization-bits", str(bits),
-            "--kv-cache-min-quantize-tokens", str(min_tokens)]
+            "--kv-cache-min-quantize-tokens", str(min_tokens),
+            "--kv-cache-quantization-policy", policy]
 
 
 def _traced(cmd: list[str], trace: Path) -> list[str]:
@@ -98,6 +99,7 @@ def _conversation(srv: ServerProcess, maker: TextMaker, args: argparse.Namespace
     system = ("You are the guide of a small river town. Answer visitors' questions "
               "from these notes. " + maker.text(args.system_tokens, "demo-system", "Notes"))
     history: list[dict[str, str]] = [{"role": "system", "content": system}]
+    before = get_stats(srv)
     for t in range(args.turns):
         st.note = f", turn {t + 1}/{args.turns}"
         out["marks"][f"turn{t + 1}"] = time.time()
@@ -106,6 +108,16 @@ def _conversation(srv: ServerProcess, maker: TextMaker, args: argparse.Namespace
         history.append({"role": "assistant", "content": r.text})
         out["turns"].append({"turn": t + 1, **r.to_dict()})
     out["marks"]["end"] = time.time()
+    out["held"] = [_store_held(srv, before)]
+    for k in range(1, args.repeats):  # the same conversation behind other system prompts
+        st.note = f", repeat {k + 1}/{args.repeats}"
+        before = get_stats(srv)
+        again = [{"role": "system", "content": system.replace("Notes", f"Notes {k}", 1)}]
+        for t in range(args.turns):
+            again.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+            again.append({"role": "assistant", "content": stream_chat(
+                srv, again, max_tokens=args.max_tokens).text})
+        out["held"].append(_store_held(srv, before))
     # The same measurement with whole 1-token requests: a new system prompt of the same
     # size (cold), then the same conversation's next turn (warm).
     st.note = ", 1-token timing"
@@ -119,6 +131,29 @@ def _conversation(srv: ServerProcess, maker: TextMaker, args: argparse.Namespace
     out["one_token"] = {"cold": cold1.to_dict(), "warm": warm1.to_dict()}
     st.note = ""
     return out
+
+
+def _store_held(srv: ServerProcess, before: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What the store holds for one conversation: its stats' bytes and entries now minus
+    before it (None: stock, which has no stats). The store settles after the last answer."""
+    import time
+
+    if before is None:
+        return None
+    deadline, last = time.monotonic() + 5.0, None
+    while True:  # mlx-lm stores after it answers; the pressure worker demotes after that
+        now = get_stats(srv) or {}
+        keys = ("store_stored", "store_bytes", "demotions")
+        if last is not None and all(now.get(k) == last.get(k) for k in keys) or \
+                time.monotonic() > deadline:
+            break
+        last = now
+        time.sleep(0.1)
+    fp16 = sum(e.get("dense_nbytes", 0) for e in now.get("entries") or ())
+    fp16_before = sum(e.get("dense_nbytes", 0) for e in before.get("entries") or ())
+    return {"bytes": now.get("store_bytes", 0) - before.get("store_bytes", 0),
+            "bytes_fp16": fp16 - fp16_before,
+            "entries": now.get("store_entries", 0) - before.get("store_entries", 0)}
 
 
 def _memory(trace: Path, marks: Mapping[str, float]) -> dict[str, Any] | None:
@@ -152,7 +187,8 @@ def _serve_once(spec: HostSpec, version: str, model_dir: Path, maker: TextMaker,
     port = (args.port if not stock else None) or hostcmd.free_port()
     budget = [*spec.budget_args(args.prompt_cache_bytes)]
     host_args = [*budget, *args.host_args] if stock else [
-        *kvplugin_flags(args.bits, args.min_quantize_tokens), *budget, *args.host_args]
+        *kvplugin_flags(args.bits, args.min_quantize_tokens, args.policy), *budget,
+        *args.host_args]
     workdir = Path(tempfile.mkdtemp(prefix="kvplugin-demo-"))  # the server's HOME and log
     trace = workdir / "memory.jsonl"
     cmd = _traced(spec.command(model_dir, port, host_args), trace)
@@ -240,6 +276,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "command": ours["command"], "stock_command": stock["command"],
         "turns": ours["turns"], "one_token": ours["one_token"], "stats": ours["stats"],
         "bits": args.bits, "budget_bytes": args.prompt_cache_bytes, "model": args.model,
+        "policy": args.policy, "held": ours["held"],
         "preload": sorted(getattr(args, "extra_env", {})),
         "stock": stock, "kvplugin": {k: v for k, v in ours.items() if k != "stats"},
     }
@@ -276,6 +313,12 @@ def build_parser(prog: str = "kvplugin demo") -> argparse.ArgumentParser:
                    help="--kv-cache-quantization-bits for the stored entries (default 8)")
     p.add_argument("--min-quantize-tokens", type=int, default=64, metavar="N",
                    help="--kv-cache-min-quantize-tokens (default 64)")
+    p.add_argument("--policy", choices=["always", "pressure"], default="always",
+                   help="--kv-cache-quantization-policy: quantize as stored (always, default) "
+                        "or only when the budget needs room (pressure)")
+    p.add_argument("--repeats", type=int, default=3, choices=range(1, 9), metavar="{1..8}",
+                   help="the conversation held this many times (behind other system prompts), "
+                        "for the spread of what the store holds per conversation (default 3)")
     p.add_argument("--prompt-cache-bytes", type=_size, default=64 * MiB, metavar="SIZE",
                    help="prompt-cache budget passed to the host (mlx-lm --prompt-cache-bytes, "
                         "vllm-mlx --cache-memory-mb); accepts K/M/G suffixes (default 64M)")

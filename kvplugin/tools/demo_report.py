@@ -67,21 +67,34 @@ def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
         "ttft_1tok_cold_s": one["cold"]["ttft_s"],
         "ttft_1tok_warm_s": one["warm"]["ttft_s"],
         "ttft_1tok_speedup": _speedup(one["cold"]["ttft_s"], one["warm"]["ttft_s"]),
-        "side_by_side": {name: _row(result[name], result.get("budget_bytes"))
+        "side_by_side": {name: _row(result[name], result.get("budget_bytes"),
+                                    _in_budget(result, "bytes_fp16" if name == "stock" else "bytes"))
                          for name in ("stock", "kvplugin") if name in result},
+        "policy": result.get("policy", "always"),
+        "demotions": stats.get("demotions", 0),
+        "hits_full": stats.get("hits_full", 0),
+        "hits_demoted": stats.get("hits_demoted", 0),
     }
 
 
-def _row(run: Mapping[str, Any], budget: int | None) -> dict[str, Any]:
+def _in_budget(result: Mapping[str, Any], key: str) -> list[int]:
+    """Conversations the budget holds, once per repeat: the budget over what the store held
+    for that conversation (``bytes``: as stored; ``bytes_fp16``: the same entries at full
+    precision, the least a store of stock's full-precision entries holds for it)."""
+    budget = result.get("budget_bytes")
+    held = [h.get(key) for h in result.get("held") or () if h]
+    return [int(budget // b) for b in held if budget and b and b > 0]
+
+
+def _row(run: Mapping[str, Any], budget: int | None, in_budget: list[int]) -> dict[str, Any]:
     """One server's comparable figures (the same measurement for stock and kvplugin)."""
     turns = run.get("turns") or []
     mem = run.get("memory") or {}
-    held = mem.get("held_after_bytes")
     return {
         "label": run.get("label"),
-        "held_after_bytes": held,
-        "conversations_in_budget": (int(budget // held) if budget and held and held > 0
-                                    else None),
+        "held_after_bytes": mem.get("held_after_bytes"),
+        "conversations_in_budget": int(statistics.median(in_budget)) if in_budget else None,
+        "conversations_in_budget_spread": [min(in_budget), max(in_budget)] if in_budget else None,
         "reuse_peak_over_bytes": mem.get("reuse_peak_over_bytes"),
         "reuse_peak_bytes": mem.get("reuse_peak_bytes"),
         "hwm_growth_bytes": mem.get("hwm_growth_bytes"),
@@ -112,8 +125,8 @@ def format_report(result: Mapping[str, Any]) -> str:
         out.append(f"  turn {t['turn']}: prompt {t['prompt_tokens'] or '?':>5} tokens, "
                    f"cached {t['cached_tokens'] if t['cached_tokens'] is not None else '?':>5}, "
                    f"first token after {_ms(t['ttft_s']):>7}   {text!r}")
-    quant = (f"{q['bits']}-bit, group {q['group_size']}, entries from {q['min_tokens']} tokens"
-             if q else "off")
+    quant = (f"{q['bits']}-bit, group {q['group_size']}, entries from {q['min_tokens']} tokens, "
+             f"policy {q.get('policy', 'always')}" if q else "off")
     ratio_held = (s["held_bytes_stored"] / s["held_bytes_fp16"]
                   if s["held_bytes_fp16"] and s["held_bytes_stored"] is not None else None)
     ratio_all = (s["stored_bytes"] / s["host_bytes"] if s["host_bytes"] else None)
@@ -125,6 +138,10 @@ def format_report(result: Mapping[str, Any]) -> str:
         f"  cache hits           {s['hits']}  (misses {s['misses']}; "
         f"{s['tokens_reused']} prompt tokens reused)",
     ]
+    if s["policy"] == "pressure":
+        out.append(f"  under pressure       {s['demotions']} entries demoted (quantized in place "
+                   f"when the budget needed room); hits at full precision {s['hits_full']}, on "
+                   f"demoted entries {s['hits_demoted']}")
     if s["held_bytes_fp16"] is not None:
         out.append(
             f"  held now             {s['entries_held']} entries, {s['held_tokens']} tokens: "
@@ -153,14 +170,24 @@ def format_report(result: Mapping[str, Any]) -> str:
         def n(x: Any) -> str:
             return "-" if x is None else str(x)
 
+        def pair_spread(name: str, key: str, how: str) -> str:
+            cells = []
+            for side, row_ in (("stock", st_), ("kvplugin", kv_)):
+                lo_hi = row_.get(key + "_spread")
+                cells.append(n(row_[key]) + (f" ({lo_hi[0]}-{lo_hi[1]})" if lo_hi else ""))
+            return f"  {name:<30} {cells[0]:>14} {cells[1]:>16}   ({how})"
+
         out += [
             "",
             "stock vs kvplugin, the same conversation on each (every figure measured in this run):",
             f"  {'':<30} {'stock':>14} {'with kvplugin':>16}",
             pair("held after the conversation", "held_after_bytes", _fmt_bytes,
                  "MLX active memory, end minus before turn 1, recorded in the server process"),
-            pair("conversations in the budget", "conversations_in_budget", n,
-                 f"the {_fmt_bytes(result.get('budget_bytes'))} prompt-cache budget / the line above"),
+            pair_spread("conversations in the budget", "conversations_in_budget",
+                        f"the {_fmt_bytes(result.get('budget_bytes'))} budget / what the store "
+                        f"held per conversation (GET {STATS_PATH}); median (min-max) of "
+                        f"{len(result.get('held') or ())} repeats; stock: the same entries at "
+                        f"full precision"),
             pair("peak above held, on reuse", "reuse_peak_over_bytes", _fmt_bytes,
                  "MLX peak during turns 2.. minus active before turn 2, same recorder"),
             pair("peak on reuse", "reuse_peak_bytes", _fmt_bytes,

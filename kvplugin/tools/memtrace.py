@@ -100,8 +100,9 @@ def _subscribe_to_kvplugin(recorder: Recorder) -> None:
 
     class _EventMarks:
         @hookimpl
-        def kvplugin_cache_event(self, event: str, tokens: int, nbytes: int) -> None:
-            recorder.record("event", event, tokens=tokens, nbytes=nbytes)
+        def kvplugin_cache_event(self, event: str, tokens: int, nbytes: int,
+                                 seconds: float) -> None:
+            recorder.record("event", event, tokens=tokens, nbytes=nbytes, seconds=seconds)
 
     pm = get_plugin_manager()
     if hasattr(pm.hook, "kvplugin_cache_event"):

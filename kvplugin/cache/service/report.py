@@ -21,6 +21,9 @@ __all__ = ["COLD_FIELDS", "Reporting", "describe_entry"]
 
 _UNLIMITED = 1 << 62
 #: the cold tier's counters reported flat as ``cold_<name>`` (the SSD tier keeps them all)
+#: the pressure policy's store counters, reported under their own names
+DEMOTION_FIELDS = ("demotions", "demotions_inline", "bytes_saved_by_demotion", "hits_full",
+                   "hits_demoted", "demotion_wait_s", "demotion_wait_max_s")
 COLD_FIELDS = ("corrupt", "unreadable", "refused", "puts", "evictions", "write_failures",
                "leftovers_removed", "symlinks", "disk_bytes")
 
@@ -37,7 +40,7 @@ class Reporting:
             out["rejected_by_kind"] = dict(self._rejected_by_kind)
             out["bytes_stored_by_codec"] = dict(self._bytes_by_codec)
         store = asdict(store_stats if store_stats is not None else self.store.stats())
-        out.update({f"store_{k}": v for k, v in store.items()})
+        out.update({k if k in DEMOTION_FIELDS else f"store_{k}": v for k, v in store.items()})
         s = self.settings
         plan = codec_plan(s)
         out["quantization"] = (
@@ -46,7 +49,8 @@ class Reporting:
              "min_tokens": s.kv_cache_min_quantize_tokens,
              "codec": plan.codec, "codec_setting": s.kv_cache_codec,
              "key_bits": plan.key_bits, "value_bits": plan.value_bits,
-             "sink_tokens": plan.sink_tokens, "recent_tokens": plan.recent_tokens}
+             "sink_tokens": plan.sink_tokens, "recent_tokens": plan.recent_tokens,
+             "policy": s.kv_cache_quantization_policy}
             if s.kv_cache_quantization else None
         )
         tier = self._cold_tier_stats()
@@ -96,7 +100,8 @@ class Reporting:
         if s.kv_cache_quantization:
             quant = (f"{s.kv_cache_quantization_bits}-bit entries, group "
                      f"{s.kv_cache_quantization_group_size}, from "
-                     f"{s.kv_cache_min_quantize_tokens} tokens, codec {codec_plan(s).name}")
+                     f"{s.kv_cache_min_quantize_tokens} tokens, codec {codec_plan(s).name}, "
+                     f"policy {s.kv_cache_quantization_policy}")
         else:
             quant = "off"
         budget = ("unlimited" if store.max_bytes >= _UNLIMITED

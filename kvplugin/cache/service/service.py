@@ -4,9 +4,8 @@ A host adapter only translates: at each host seam it calls one method of the pro
 :class:`KVService` (or one function below, for decisions needed before the service exists)
 and applies the answer in the host's own terms. What is decided here, once for every host:
 
-* configure / unconfigure: ``kvplugin_configure`` fires once per hook relay (historic), and
-  ``kvplugin_unconfigure`` fires at :meth:`KVService.close`, after the store is flushed and
-  closed;
+* configure / unconfigure: ``kvplugin_configure`` once per hook relay, ``kvplugin_unconfigure``
+  at :meth:`KVService.close` (after the store is flushed and closed);
 * the cold tier: asked of ``kvplugin_store_backend``, never under ``hot_cache_only``;
 * persistence across restarts (:meth:`~KVService.persist`, :meth:`~KVService.reload`),
   through the same backend hook, on the host's directory;
@@ -38,6 +37,7 @@ from kvplugin.cache.store.prompts import RecentPrompts
 from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.service.holdings import Holdings
 from kvplugin.cache.service.persist import Persistence
+from kvplugin.cache.service.pressure import quantizes_at_store, store_demotion
 from kvplugin.cache.service.report import Reporting
 from kvplugin.cache.service.fit import ModelChecker
 from kvplugin.settings import KVPluginSettings
@@ -133,6 +133,7 @@ class KVService(Holdings, Persistence, Reporting):
             on_evict=self._on_evict,
             after_evictions=self.release_memory,
             on_spill=lambda tokens, cache: self._event("spill", len(tokens), cache),
+            **store_demotion(self),
         )
         self.admission = AdmissionControl(settings, self.store, hook)
 
@@ -222,7 +223,7 @@ class KVService(Holdings, Persistence, Reporting):
         entry = cache if trimmed is None else trimmed
         self._event("trim", num_tokens, entry)
         quantized = None
-        if self.settings.kv_cache_quantization:
+        if quantizes_at_store(self.settings):  # under pressure: later, if memory asks
             quantized = self.hook.kvplugin_quantize_entry(
                 cache=entry, num_tokens=num_tokens, settings=self.settings,
                 prompt_boundaries=self._recent_prompts.boundaries(model_key, tokens or ()),
@@ -234,11 +235,6 @@ class KVService(Holdings, Persistence, Reporting):
             # The codec's temporaries stay in MLX's buffer cache, where the next prefill's
             # buffers of other sizes would stack on them: handed back at once instead.
             self.release_memory()
-        # Evaluated here, in the thread whose streams built it: a spill or a shut-down flush
-        # on another thread cannot evaluate a graph made on this one's stream.
-        arrays = entry_arrays(entry)
-        if arrays:
-            mx.eval(arrays)
         after = entry_nbytes(entry)
         with self._lock:
             self.counters.entries_stored += 1
@@ -253,7 +249,7 @@ class KVService(Holdings, Persistence, Reporting):
     def stored_prefix(self, model_key: str, tokens: Sequence[int]) -> list | None:
         """What :meth:`prepare_entry`'s codec may copy rows from (None when nothing is
         quantized): call it before the entry's lent snapshot is settled."""
-        if not self.settings.kv_cache_quantization:
+        if not quantizes_at_store(self.settings):
             return None
         return self.store.stored_prefix(model_key, tokens)
 
@@ -294,6 +290,9 @@ class KVService(Holdings, Persistence, Reporting):
         """
         if prompt_len is None:
             prompt_len = self._recent_prompts.prompt_len(model_key, tokens)
+        # Evaluated in the thread whose streams built it: a spill, a demotion or a shut-down
+        # flush on another thread cannot evaluate a graph made on this one's streams.
+        mx.eval(entry_arrays(entry))
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
         if stored:
             self._event("store", len(tokens), entry)
@@ -314,13 +313,15 @@ class KVService(Holdings, Persistence, Reporting):
         if buffer_cache_bytes() > limit // 4:
             self.release_memory()
 
-    def _event(self, event: str, tokens: int, cache: list | None = None) -> None:
-        """Tell observers (``kvplugin_cache_event``) what just happened, and to how much."""
+    def _event(self, event: str, tokens: int, cache: list | None = None,
+               seconds: float = 0.0) -> None:
+        """Tell observers (``kvplugin_cache_event``) what just happened, to how much, and how
+        long its work took (0: not measured)."""
         caller = self.hook.kvplugin_cache_event
         if not caller.get_hookimpls():  # nobody listens: keep the request path free of it
             return
         nbytes = entry_nbytes(cache) if cache else 0
-        caller(event=event, tokens=int(tokens), nbytes=nbytes)
+        caller(event=event, tokens=int(tokens), nbytes=nbytes, seconds=float(seconds))
 
     def give_back(self, model_key: str, tokens: Sequence[int], cache: list, *,
                   min_tokens: int = 1) -> bool:

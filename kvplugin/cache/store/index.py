@@ -309,6 +309,12 @@ class KeyIndex:
         self.nbytes -= self._size(value)
         return value
 
+    def reprice(self, value: Any, change: Callable[[Any], None]) -> None:
+        """Apply ``change`` to a stored ``value`` that alters its price, keeping its place."""
+        self.nbytes -= self._size(value)
+        change(value)
+        self.nbytes += self._size(value)
+
     def touch(self, namespace: Hashable, key: tuple) -> None:
         """Make ``key`` most recently used."""
         self._lru.move_to_end((namespace, key))

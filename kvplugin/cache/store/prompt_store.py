@@ -13,7 +13,9 @@ In short (the whole specification is ``docs/store.md``):
   flight, else asks the cold tier; one token is always left for the host to feed;
 * ``insert`` takes ownership; a longer entry supersedes a shorter one only if it can give every
   prefix that one could;
-* evictions go to ``on_evict`` and then to the cold tier, outside the store's lock;
+* evictions go to ``on_evict`` and then to the cold tier, outside the store's lock; with a
+  ``demote`` callable (the pressure policy) full-precision entries are quantized in place first
+  (:mod:`kvplugin.cache.store.demotion`);
 * the cold tier is any :class:`kvplugin.types.ColdTier`; this module never imports one.
 """
 
@@ -23,6 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from kvplugin.cache.store.demotion import Demote, Demotion, OnDemote
 from kvplugin.cache.store.index import KeyIndex, to_key
 from kvplugin.cache.layers import (can_copy_prefix, copy_floor, copy_lent, copy_prefix,
                                    entry_nbytes, entry_tokens, is_trimmable, prefix_views)
@@ -35,7 +38,7 @@ __all__ = ["ColdTier", "MAX_LENT", "PromptStore", "StoreEntry", "StoreStats"]
 log = logging.getLogger("kvplugin.cache")
 
 
-class PromptStore:
+class PromptStore(Demotion):
     """Tiered prompt store; see the module docstring for the exact semantics.
 
     ``max_bytes``: hot-tier budget in bytes (priced per entry at insert).
@@ -47,6 +50,7 @@ class PromptStore:
     session hands the freed memory back to the system there).
     ``on_spill``: observer called with ``(tokens, cache)`` of each entry the cold tier
     accepted (evicted, oversized or flushed; outside the lock; exceptions logged, ignored).
+    ``demote``/``on_demote``: the pressure policy's codec and observer (:mod:`.demotion`).
     """
 
     def __init__(
@@ -58,6 +62,8 @@ class PromptStore:
         on_evict: Callable[[StoreEntry], None] | None = None,
         after_evictions: Callable[[], None] | None = None,
         on_spill: Callable[[Sequence[int], list], None] | None = None,
+        demote: Demote | None = None,
+        on_demote: OnDemote | None = None,
     ):
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
@@ -74,13 +80,10 @@ class PromptStore:
         self._owner: dict[int, StoreEntry] = {}  # id(first layer) -> entry holding it
         self._lent = Lent()  # snapshots of entries moved out
         self._moving: dict[int, tuple[StoreEntry, int]] = {}  # thread -> its fetch's move
-        self._c = dict.fromkeys(
-            (
-                "stored hits misses evictions spills cold_hits discarded moved copied "
-                "tokens_reused rejected replaced superseded lent_copies lent_kept"
-            ).split(),
-            0,
-        )
+        self._c = dict.fromkeys(("stored hits misses evictions spills cold_hits discarded moved "
+                                 "copied tokens_reused rejected replaced superseded lent_copies "
+                                 "lent_kept").split(), 0)
+        self._init_demotion(demote, on_demote)
 
     # ---------------------------------------------------------------- basics
 
@@ -125,6 +128,7 @@ class PromptStore:
 
     def close(self) -> None:
         """Close the cold tier (hot entries are simply dropped with the store)."""
+        self._stop_demotion()
         if self.cold is not None:
             self.cold.close()
 
@@ -159,7 +163,9 @@ class PromptStore:
                     self.on_evict(entry)
                 except Exception:
                     log.exception("kvplugin: on_evict hook failed")
-            ok = spill and self.cold is not None and self._cold_put(entry.model_key, entry.tokens, entry.cache)
+            ok = spill and self.cold is not None and self._cold_put(
+                entry.model_key, entry.tokens,
+                self._spill_form(entry.model_key, entry.tokens, entry.cache, entry.demotable))
             with self._lock:
                 self._c["spills" if ok else "discarded"] += 1
             released = True
@@ -201,6 +207,7 @@ class PromptStore:
                 for layer in entry.cache:
                     layer.trim(extra)
             self._c["moved"] += 1
+            self._count_hit_precision(entry)
             self._moving[threading.get_ident()] = (entry, n)  # lent once dequantized (fetch)
             return entry.cache, n
         cache = copy_prefix(entry.cache, n, share=True)  # views: the donor stays stored
@@ -210,6 +217,7 @@ class PromptStore:
         # same prefix) afterwards, and refreshing donors that share only a chat template's
         # first tokens would keep old conversations alive forever.
         self._c["copied"] += 1
+        self._count_hit_precision(entry)
         return cache, n
 
     def _serve(self, plan, model_key, key) -> tuple[list | None, int]:
@@ -256,7 +264,6 @@ class PromptStore:
             return False
         price = entry_nbytes(cache) if nbytes is None else int(nbytes)
         entry = StoreEntry(model_key, key, cache, price, prompt_len)
-        evicted: list = []
         held = old = prev = None
         with self._lock:
             hot = price <= self.max_bytes and self.max_entries != 0
@@ -272,6 +279,7 @@ class PromptStore:
                         self._c["replaced"] += 1
                 self._owner[id(cache[0])] = entry
                 self._c["stored"] += 1
+                self._new_entry_precision(entry)
                 self.settle_lent(model_key, key, cache)
                 if is_trimmable(cache):
                     for _, prev in self._index.prefixes_of(model_key, key):
@@ -285,13 +293,12 @@ class PromptStore:
                                 and _serves_all_of(cache, prev.cache)):
                             self._c["superseded"] += 1
                             self._remove(prev)
-                n_entries = self.max_entries if self.max_entries is not None else 1 << 62
-                evicted = self._evict_until(self.max_bytes, n_entries, keep=entry)
         held = old = prev = None  # let go of every other entry before the memory is released
-        self._dispose(evicted)
         if hot:
+            self._dispose(self._make_room(self.max_bytes, self.max_entries, keep=entry))
             return True
-        ok = self.cold is not None and self._cold_put(model_key, key, cache)
+        ok = self.cold is not None and self._cold_put(
+            model_key, key, self._spill_form(model_key, key, cache, self.demote is not None))
         with self._lock:
             self._c["spills" if ok else "rejected"] += 1
         return ok
@@ -420,6 +427,7 @@ class PromptStore:
                     again = StoreEntry(model_key, lent.tokens, kept, entry_nbytes(kept))
                     self._index.add(model_key, lent.tokens, again)
                     self._owner[id(kept[0])] = again
+                    self._new_entry_precision(again, inserted=False)
                     self._c["lent_kept"] += 1
 
     def _fetch_cold(self, model_key, key, have: int = 0):
@@ -452,12 +460,8 @@ class PromptStore:
         """Evict LRU hot entries until ``nbytes <= n_bytes`` and ``len <= n_entries``
         (None: no limit on that axis).  Evicted entries go through ``on_evict`` and
         spill like any eviction."""
-        with self._lock:
-            evicted = self._evict_until(
-                max(0, n_bytes) if n_bytes is not None else 1 << 62,
-                max(0, n_entries) if n_entries is not None else 1 << 62,
-            )
-        self._dispose(evicted)
+        self._dispose(self._make_room(max(0, n_bytes) if n_bytes is not None else 1 << 62,
+                                      max(0, n_entries) if n_entries is not None else None))
 
     def flush(self) -> bool:
         """Spill every hot entry to the cold tier (shut-down). True if one was written."""

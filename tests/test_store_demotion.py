@@ -1,0 +1,190 @@
+"""The pressure policy in the store: full-precision entries are quantized in place (demoted),
+least recently used first, before any is evicted; spills are quantized; hits are counted by
+precision; a fetch never waits for the codec.
+
+Real mlx-lm ``KVCache`` layers and the configured codec (8-bit affine: about 0.53x fp16), on a
+:class:`KVService` as the hosts use it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+from kvcaches import filled
+
+from kvplugin.cache.layers import entry_nbytes, layer_bits
+from kvplugin.cache.service.service import KVService
+from kvplugin.cache.store import demotion
+from kvplugin.cache.store.prompt_store import PromptStore
+from kvplugin.plugins import create_plugin_manager
+from kvplugin.settings import resolve_settings
+
+T = 64  # tokens per entry
+F = 2 * 2 * 2 * T * 64 * 2  # bytes of one trimmed fp16 entry: layers x (K, V) x heads x T x D x 2
+
+
+def conv(i: int, n: int = T) -> list[int]:
+    return list(range(1000 * i, 1000 * i + n))
+
+
+def service(max_bytes: int, **flags) -> KVService:
+    settings = resolve_settings({"kv_cache_quantization_policy": "pressure",
+                                 "kv_cache_min_quantize_tokens": 0, **flags})
+    pm = create_plugin_manager(load_entry_points=False)
+    return KVService(settings, host="test", hook=pm.hook, max_bytes=max_bytes)
+
+
+def trimmed(n: int) -> list:
+    """A filled entry cut to what it holds (as the service stores it)."""
+    cache = filled(n)
+    for c in cache:
+        c.keys, c.values = mx.array(c.keys[..., :n, :]), mx.array(c.values[..., :n, :])
+    mx.eval([c.keys for c in cache] + [c.values for c in cache])
+    return cache
+
+
+def precision(svc: KVService) -> dict[int, str]:
+    """Each stored conversation (by its first token // 1000): full or demoted."""
+    out = {}
+    for e in svc.store.entries():
+        quantized = any(layer_bits(layer) is not None for layer in e.cache)
+        assert quantized == e.demoted
+        out[e.tokens[0] // 1000] = "demoted" if e.demoted else "full"
+    return out
+
+
+@pytest.fixture
+def no_worker(monkeypatch):
+    """Only the inserting thread demotes (the high-water mark is the budget itself)."""
+    monkeypatch.setattr(demotion.Demotion, "_high_water", lambda self: self.max_bytes)
+
+
+def test_entries_are_stored_at_full_precision_while_they_fit():
+    svc = service(10 * F)
+    svc.insert("m", conv(1), filled(T))
+    (entry,) = svc.store.entries()
+    assert entry.nbytes == F and not entry.demoted
+    assert all(layer_bits(layer) is None for layer in entry.cache)
+    assert svc.stats()["entries_quantized"] == 0 and svc.stats()["demotions"] == 0
+
+
+def test_the_least_recently_used_is_demoted_before_anything_is_evicted(no_worker):
+    svc = service(int(2.8 * F))
+    for i in (1, 2, 3):
+        svc.insert("m", conv(i), filled(T))
+    st = svc.stats()
+    assert precision(svc) == {1: "demoted", 2: "full", 3: "full"}
+    assert st["store_evictions"] == 0 and st["demotions"] == st["demotions_inline"] == 1
+    assert st["bytes_saved_by_demotion"] == F - svc.store.entries()[0].nbytes > 0.4 * F
+    assert svc.store.nbytes <= 2.8 * F and st["demotion_wait_max_s"] > 0
+
+
+def test_a_conversation_that_just_stored_its_turn_is_demoted_last(no_worker):
+    svc = service(int(2.8 * F))
+    svc.insert("m", conv(1), filled(T))
+    svc.insert("m", conv(2), filled(T))
+    cache, n = svc.fetch("m", conv(1, T + 1))  # conversation 1's next turn: moved out
+    assert n == T
+    for c in cache:
+        c.update_and_fetch(*(mx.zeros((1, 2, 1, 64), dtype=mx.float16),) * 2)
+    svc.insert("m", conv(1, T + 1), cache)  # given back, now the most recent
+    svc.insert("m", conv(3), filled(T))
+    assert precision(svc) == {2: "demoted", 1: "full", 3: "full"}
+
+
+def test_eviction_follows_only_when_every_entry_is_demoted(no_worker):
+    svc = service(int(1.2 * F))
+    svc.insert("m", conv(1), filled(T))
+    svc.insert("m", conv(2), filled(T))  # both demoted, the one just stored too: both kept
+    assert precision(svc) == {1: "demoted", 2: "demoted"}
+    assert svc.stats()["store_evictions"] == 0
+    svc.insert("m", conv(3), filled(T))
+    assert precision(svc) == {2: "demoted", 3: "demoted"}
+    assert svc.stats()["store_evictions"] == 1 and svc.stats()["demotions"] == 3
+
+
+def test_the_worker_demotes_ahead_of_need_leaving_the_newest_entry():
+    svc = service(int(2.2 * F))  # two entries: no room for a third like them
+    svc.insert("m", conv(1), filled(T))
+    svc.insert("m", conv(2), filled(T))
+    assert svc.store.settle()
+    st = svc.stats()
+    assert precision(svc) == {1: "demoted", 2: "full"}
+    assert st["demotions"] == 1 and st["demotions_inline"] == 0
+    assert st["demotion_wait_s"] == 0  # no request thread waited
+    svc.close()
+
+
+def test_hits_are_counted_by_precision_and_a_demoted_hit_is_restored(no_worker):
+    svc = service(int(1.6 * F))
+    original = filled(T)
+    want = [mx.array(c.keys[..., :T, :]) for c in original]
+    svc.insert("m", conv(1), original)
+    svc.insert("m", conv(2), filled(T))
+    assert precision(svc) == {1: "demoted", 2: "full"}
+    full, n = svc.fetch("m", conv(2, T + 5))
+    assert n == T and all(layer_bits(c) is None for c in full)
+    restored, n = svc.fetch("m", conv(1, T + 5))
+    assert n == T and all(layer_bits(c) is None for c in restored)
+    for c, k in zip(restored, want):
+        assert mx.abs(c.keys[..., :T, :] - k).max().item() < 0.05  # 8-bit affine
+    st = svc.stats()
+    assert (st["hits_full"], st["hits_demoted"]) == (1, 1)
+
+
+def test_a_spill_writes_the_quantized_form(tmp_path):
+    svc = service(10 * F, ssd_cache_dir=str(tmp_path))
+    svc.store.max_entries = 1  # an entry-count eviction: demoting makes no room for it
+    svc.insert("m", conv(1), filled(T))
+    svc.insert("m", conv(2), filled(T))
+    st = svc.stats()
+    assert st["store_spills"] == 1 and st["demotions"] == 0
+    assert 0 < st["store_cold_bytes"] < 0.6 * F  # quantized on its way out
+    cache, n = svc.fetch("m", conv(1, T + 1))
+    assert n == T and all(layer_bits(c) is None for c in cache)  # restored as any hit
+    svc.close()
+
+
+def test_admission_demotes_before_it_evicts(no_worker):
+    svc = service(10 * F)
+    for i in (1, 2):
+        svc.insert("m", conv(i), filled(T))
+    svc.store.trim_to(n_bytes=int(1.6 * F))
+    assert precision(svc) == {1: "demoted", 2: "full"}
+    assert svc.stats()["store_evictions"] == 0
+
+
+def test_a_fetch_never_waits_for_the_codec_and_a_moved_entry_is_not_swapped():
+    """The entry stays stored while the codec works on its copy: a hit meanwhile is a
+    full-precision move, and the demotion's result is dropped."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow_demote(model_key, tokens, cache):
+        started.set()
+        assert release.wait(10)
+        return [layer for layer in cache]  # stands in for a codec: any list
+
+    store = PromptStore(max_bytes=int(1.5 * F), demote=slow_demote)
+    store.insert("m", conv(1), trimmed(T))
+    inserting = threading.Thread(target=store.insert, args=("m", conv(2), trimmed(T)))
+    inserting.start()
+    assert started.wait(10)
+    cache, n = store.fetch("m", conv(1, T + 1))  # answered while the codec is held
+    assert n == T and cache is not None and entry_nbytes(cache) == F
+    release.set()
+    inserting.join(10)
+    assert store.stats().demotions == 0 and [len(e.tokens) for e in store.entries()] == [T]
+
+
+def test_the_worker_keeps_room_for_the_next_entry_so_inserts_do_not_wait():
+    svc = service(int(3.2 * F))
+    for i in range(1, 5):  # the fourth fits only because the worker made room for it
+        svc.insert("m", conv(i), filled(T))
+        assert svc.store.settle()
+    st = svc.stats()
+    assert st["store_evictions"] == 0 and len(svc.store) == 4
+    assert st["demotions"] == 3 and st["demotions_inline"] == 0  # all ahead of need
+    assert precision(svc) == {1: "demoted", 2: "demoted", 3: "demoted", 4: "full"}
+    svc.close()
