@@ -180,11 +180,15 @@ class KVService(Holdings, Persistence, Reporting):
         fresh cache shaped as a request's (not counted as one). Call it in the thread that
         runs the model, before it serves. ``serving_thread``: this thread also does the
         requests' cache work later (mlx-lm's generation thread), so its codec lanes start
-        here (:func:`kvplugin.cache.codec.lanes.open_lanes`), not inside its first hit."""
+        here (:func:`kvplugin.cache.codec.lanes.open_lanes`), not inside its first hit.
+        The codec learns each layer's key rope here too (:attr:`key_ropes`)."""
         if serving_thread:
             from kvplugin.cache.codec.lanes import open_lanes
 
             open_lanes()
+        from kvplugin.cache.model.rope import key_ropes
+
+        self.key_ropes = key_ropes(model, fresh_cache)
         if self.admission.ledger is None:
             return
         shaped = self.hook.kvplugin_make_cache(model=model, cache=fresh_cache,
@@ -224,7 +228,7 @@ class KVService(Holdings, Persistence, Reporting):
             quantized = self.hook.kvplugin_quantize_entry(
                 cache=entry, num_tokens=num_tokens, settings=self.settings,
                 prompt_boundaries=self._recent_prompts.boundaries(model_key, tokens or ()),
-                stored_prefix=stored_prefix,
+                stored_prefix=stored_prefix, key_ropes=self.key_ropes,
             )
         if quantized is not None:
             entry = quantized
@@ -430,6 +434,9 @@ class KVService(Holdings, Persistence, Reporting):
     #: ``(bits, group_size, start)`` of the host's quantized live caches (mlx-lm
     #: ``--kv-bits``, :meth:`learn_live_quantization`); None: full-precision live caches.
     live_quantization: tuple[int, int, int] | None = None
+    #: Each cache layer's key rope of the model the host loaded last (:meth:`learn_model`,
+    #: :mod:`kvplugin.cache.model.rope`); None: unknown, keys stored as the model made them
+    key_ropes: tuple | None = None
 
     def dequantize(self, cache: list) -> list:
         """The entry as the host runs it: dequantized, except layers already quantized the
@@ -442,7 +449,8 @@ class KVService(Holdings, Persistence, Reporting):
 
             keep = {i: layer for i, layer in enumerate(cache) if matches_live(layer, *live)}
         rest = [layer for i, layer in enumerate(cache) if i not in keep] if keep else cache
-        restored = self.hook.kvplugin_dequantize_entry(cache=rest, settings=self.settings)
+        restored = self.hook.kvplugin_dequantize_entry(cache=rest, settings=self.settings,
+                                                       key_ropes=self.key_ropes)
         restored = rest if restored is None else restored
         if not keep:
             return restored
