@@ -117,15 +117,17 @@ def test_pre_rope_round_trip_gives_back_the_same_layers_within_the_codec_s_error
                               orig.keys[..., newest - 8 : newest, :])
 
 
-def test_an_entry_stored_post_rope_still_reads_with_ropes_known(model, tokens):
+@pytest.mark.parametrize("kind", ["plain", "ring"])
+def test_an_entry_stored_post_rope_still_reads_with_ropes_known(model, tokens, kind):
     """What an older kvplugin wrote (no rope record) reads as it always did."""
-    entry = _plain(model, tokens)
+    entry = _plain(model, tokens) if kind == "plain" else _rings(model, tokens, True)
     ropes = key_ropes(model, make_prompt_cache(model))
     old = quantize_entry(entry, **FOUR_BIT).cache
     assert not hasattr(old[0], KEY_ROPE_ATTR)
     a = dequantize_entry(old, key_ropes=ropes)
     b = dequantize_entry(old)
     assert all(mx.array_equal(x.keys, y.keys) for x, y in zip(a, b))
+    assert _max_err(a[0].keys, entry[0].keys) < 0.5
 
 
 @pytest.mark.parametrize("known", ["none", "other", "damaged"])

@@ -208,15 +208,16 @@ def rotating_codec(q: QuantizedRotatingKVCache) -> tuple[str, int]:
 
 def dequantize_rotating(q: QuantizedRotatingKVCache, rope: Any = None) -> RotatingKVCache:
     """The same rotating layer back, full precision (left unevaluated: the caller's lanes
-    evaluate, :func:`kvplugin.cache.codec.quantize.dequantize_entry`); ``rope``: its keys'
-    rope where they were stored pre-RoPE (checked against the record by the caller)."""
+    evaluate, :func:`kvplugin.cache.codec.quantize.dequantize_entry`); ``rope``: the serving
+    model's rope of this layer, put back where its keys were stored pre-RoPE with it (else
+    :class:`UnknownCodec`)."""
     codec, seed = rotating_codec(q)
     cls = _resolve(q.cls)
     layer = cls.__new__(cls)
     RotatingKVCache.__init__(layer, q.max_size, q.keep)
     dtype = getattr(mx, q.dtype_name, mx.float16)
     dtype = dtype if isinstance(dtype, mx.Dtype) else mx.float16
-    check_rope(q, codec, rope)
+    rope = check_rope(q, codec, rope)  # None for keys stored post-RoPE
     slots = _slots(q)
     runs = None if rope is None else ring_runs(q.offset, slots, q.keep, q._idx)
     if rope is not None and runs is None:
