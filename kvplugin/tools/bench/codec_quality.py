@@ -54,14 +54,20 @@ CANDIDATE_CODECS = (
     "rotated-channel-k3v3-g64-s4r16", "rotated-channel-sym-k3v3-g64-s4r6",
 )
 DEFAULT_BITS = (8, 4, 3)
+#: A spec's last suffix: the keys of plain (unbounded, global) layers at 8 bits, the
+#: windows' as the spec says (bits per layer; measured here only)
+PLAIN_K8 = "+plaink8"
+#: ... or keys pre-RoPE on rotating (window, bounded) layers only, plain ones post-RoPE
+PRE_ROPE_WINDOWS = "+prerope-windows"
 _SPEC = re.compile(r"(affine|rotated|rotated-channel|rotated-channel-sym)"
                    r"-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
 
 
 def parse_codec(spec: str) -> dict[str, Any]:
-    """``rotated-k4v4-g64-s4r32`` -> quantize_entry keyword arguments (a ``+prerope`` suffix,
-    the bench's pre-RoPE lever, aside)."""
-    m = _SPEC.fullmatch(spec.removesuffix(PRE_ROPE))
+    """``rotated-k4v4-g64-s4r32`` -> quantize_entry keyword arguments (the ``+prerope`` and
+    ``+plaink8`` suffixes aside)."""
+    m = _SPEC.fullmatch(spec.removesuffix(PLAIN_K8).removesuffix(PRE_ROPE)
+                        .removesuffix(PRE_ROPE_WINDOWS))
     if not m:
         raise ValueError(f"codec spec {spec!r} is not CODEC-kKvV-gG-sSrR")
     return dict(codec=m[1], bits=int(m[2]), value_bits=int(m[3]), group_size=int(m[4]),
@@ -127,6 +133,7 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc, *,
     from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
     from kvplugin.cache.layers.trim import trim_entry
     from kvplugin.cache.model.rope import key_ropes
+    from mlx_lm.models.cache import KVCache
 
     from kvplugin.cache.bounded.prealloc import bound_cache
 
@@ -178,11 +185,18 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc, *,
     ref_prefix_lp = None if ref_cut is None else logprobs(ref_cut, feed)
     mib = entry_nbytes(fp16) / 2**20
     ropes = key_ropes(model, make_prompt_cache(model))  # as a server's KVService learns them
+    windows = ropes and tuple(r if type(c) is not KVCache else None
+                              for r, c in zip(ropes, fresh()))
     for spec in specs:
-        pre = ropes if spec.endswith(PRE_ROPE) else None
+        pre = (ropes if spec.removesuffix(PLAIN_K8).endswith(PRE_ROPE) else
+               windows if spec.removesuffix(PLAIN_K8).endswith(PRE_ROPE_WINDOWS) else None)
         source = copy.deepcopy(fp16)
         t0 = time.perf_counter()
         q = quantize_entry(source, **parse_codec(spec), key_ropes=pre)
+        if spec.endswith(PLAIN_K8):
+            wide = quantize_entry(source, **{**parse_codec(spec), "bits": 8}, key_ropes=pre)
+            q.cache = [w if type(layer) is KVCache else n
+                       for layer, n, w in zip(source, q.cache, wide.cache)]
         mx.eval([a for layer in q.cache for a in _arrays(layer)])
         t1 = time.perf_counter()
         back = dequantize_entry(copy.deepcopy(q.cache), key_ropes=ropes)
