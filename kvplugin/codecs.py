@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODECS", "CHANNEL_KEYS", "CHOICES", "SYM", "PRE_ROPE", "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan",
+__all__ = ["CODECS", "CHANNEL_KEYS", "CHOICES", "SYM", "PRE_ROPE", "PREROPE_CODECS", "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan",
            "UnknownCodec", "codec_plan", "fitting_codec"]
 
 CODECS = ("affine", "rotated", "rotated-channel", "rotated-channel-sym")  # what
@@ -47,6 +47,9 @@ PROTECT_BELOW_BITS = 6
 SYM_PROTECTED_DEFAULT = (4, 6)
 #: What a codec's name ends with where its keys are stored pre-RoPE
 PRE_ROPE = "+prerope"
+#: The codecs whose keys ``--kv-cache-prerope-keys`` stores pre-RoPE (on rotating layers:
+#: docs/benchmarks.md, "Pre-RoPE keys"); ``rotated-channel-sym`` measured worse with them
+PREROPE_CODECS = ("rotated-channel",)
 
 
 class UnknownCodec(ValueError):
@@ -94,7 +97,7 @@ def codec_plan(settings: Any) -> CodecPlan:
         sink = settings.kv_cache_sink_tokens
     if settings.kv_cache_recent_tokens is not None:
         recent = settings.kv_cache_recent_tokens
-    prerope = codec in CHANNEL_KEYS and getattr(settings, "kv_cache_prerope_keys", True)
+    prerope = codec in PREROPE_CODECS and getattr(settings, "kv_cache_prerope_keys", True)
     return CodecPlan(codec, key_bits, value_bits,
                      settings.kv_cache_quantization_group_size, sink, recent,
                      getattr(settings, "kv_cache_quantize_state", True), prerope)

@@ -152,22 +152,27 @@ def _service(**extra) -> KVService:
     return KVService(settings, host="test", hook=pm.hook, max_bytes=1 << 40)
 
 
-def test_the_service_stores_pre_rope_keys_once_it_learnt_the_model(model, tokens):
+def test_the_service_stores_a_ring_s_keys_pre_rope_once_it_learnt_the_model(model, tokens):
+    """Rotating layers pre-RoPE; plain layers as before (the codec meets its goals there)."""
     ids = tokens[0].tolist()
     svc = _service()
     svc.learn_model(model, make_prompt_cache(model))
-    assert svc.give_back("m", ids, _plain(model, tokens))
+    assert svc.give_back("m", ids, _rings(model, tokens, True))
     assert set(svc.stats()["bytes_stored_by_codec"]) == {"rotated-channel-k4v4-s4r16+prerope"}
     got, n = svc.fetch("m", ids + [1])
-    assert n == TOKENS and type(got[0]) is KVCache
-    assert _max_err(got[0].keys, _plain(model, tokens)[0].keys) < 0.5
+    assert n == TOKENS and type(got[0]) is RotatingKVCache
+    assert _max_err(got[0].keys, _rings(model, tokens, True)[0].keys) < 0.5
+    plain = _service()
+    plain.learn_model(model, make_prompt_cache(model))
+    assert plain.give_back("m", ids, _plain(model, tokens))
+    assert set(plain.stats()["bytes_stored_by_codec"]) == {"rotated-channel-k4v4-s4r16"}
     # the same entry in a process that does not know the model's rope: a miss
     other = _service()
     other.store = svc.store
     assert other.fetch("m", ids + [1]) == (None, 0)
     off = _service(kv_cache_prerope_keys="off")
     off.learn_model(model, make_prompt_cache(model))
-    assert off.give_back("m", ids, _plain(model, tokens))
+    assert off.give_back("m", ids, _rings(model, tokens, True))
     assert set(off.stats()["bytes_stored_by_codec"]) == {"rotated-channel-k4v4-s4r16"}
 
 
@@ -215,6 +220,8 @@ def test_the_setting_names_its_flag_and_env_and_takes_documented_words_only():
     assert codec_plan(on).name == "rotated-channel-k4v4-s4r16+prerope"
     eight = resolve_settings({"kv_cache_quantization": True})
     assert not codec_plan(eight).prerope_keys  # affine keys are per token
+    three = resolve_settings({"kv_cache_quantization": True, "kv_cache_quantization_bits": 3})
+    assert not codec_plan(three).prerope_keys  # rotated-channel-sym: measured worse
     off = resolve_settings({"kv_cache_quantization": True, "kv_cache_quantization_bits": 4,
                             "kv_cache_prerope_keys": "off"})
     assert not codec_plan(off).prerope_keys
