@@ -3,7 +3,7 @@ put back after the restore, at each row's (a ring: each slot's) token position.
 
 Why: after RoPE a channel pair swings with the position, so a per-channel group's range
 spans that swing rather than the channel's own spread; without it the range is the
-channel's (KVQuant; docs/benchmarks.md, "Codecs on every layer kind"). The rope is the
+channel's (KVQuant; docs/benchmarks.md, "Pre-RoPE keys"). The rope is the
 model's own (:mod:`kvplugin.cache.model.rope`), recorded on the stored layer
 (:data:`KEY_ROPE_ATTR`), and a restore without the same rope is a miss, never misread.
 
@@ -62,7 +62,7 @@ def turn(keys: mx.array, rope: KeyRope, runs: Runs, sign: float) -> mx.array:
     return out.astype(keys.dtype)
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=4)  # an entry's distinct ropes and layouts; each table is held till then
 def _tables(rope: KeyRope, runs: Runs) -> tuple[np.ndarray, np.ndarray]:
     """``(slots, dims)`` float32 factors of each slot's angle, laid out as the rope pairs
     channels: the turned keys are ``x * cos + partner(x) * signed sin``. The cosines and
@@ -88,7 +88,7 @@ def _tables(rope: KeyRope, runs: Runs) -> tuple[np.ndarray, np.ndarray]:
 
 def turn_numpy(x: np.ndarray, rope: KeyRope, runs: Runs) -> np.ndarray:
     """The model's rope applied to float32 ``x`` (``(..., slots, D)``, in place): whole-width
-    passes, a pair's partner gathered once (about 2.5x faster than per half)."""
+    passes, a pair's partner gathered once: fewer, faster passes than turning each half."""
     both, signed = _tables(rope, runs)
     d = rope.dims
     turned = x[..., :d]
