@@ -47,8 +47,8 @@ PROTECT_BELOW_BITS = 6
 SYM_PROTECTED_DEFAULT = (4, 6)
 #: What a codec's name ends with where its keys are stored pre-RoPE
 PRE_ROPE = "+prerope"
-#: The codecs whose keys ``--kv-cache-prerope-keys`` stores pre-RoPE (docs/benchmarks.md,
-#: "Pre-RoPE keys"); ``rotated-channel-sym`` measured worse with them on Gemma 3
+#: The codecs whose keys ``--kv-cache-prerope-keys`` stores pre-RoPE (on rotating layers:
+#: docs/benchmarks.md, "Pre-RoPE keys"); ``rotated-channel-sym`` measured worse with them
 PREROPE_CODECS = ("rotated-channel",)
 
 

@@ -162,9 +162,10 @@ class KVPluginSettings(BaseSettings):
     )
     kv_cache_prerope_keys: bool = Field(
         True,
-        description="With quantization on, rotated-channel keys (the 4-bit default) are stored "
-        "with the model's RoPE taken out at each token's position and put back on restore, "
-        "where kvplugin knows the layer's RoPE; off: stored as the model made them.",
+        description="With quantization on, rotated-channel keys (the 4-bit default) of sliding-window "
+        "and --max-kv-size layers are stored with the model's RoPE taken out at each "
+        "token's position and put back on restore, where kvplugin knows the layer's RoPE; "
+        "off: stored as the model made them.",
     )
     kv_cache_min_quantize_tokens: int = Field(
         256,

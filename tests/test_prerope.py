@@ -152,7 +152,8 @@ def _service(**extra) -> KVService:
     return KVService(settings, host="test", hook=pm.hook, max_bytes=1 << 40)
 
 
-def test_the_service_stores_keys_pre_rope_once_it_learnt_the_model(model, tokens):
+def test_the_service_stores_a_ring_s_keys_pre_rope_once_it_learnt_the_model(model, tokens):
+    """Rotating layers pre-RoPE; plain layers as before (the codec meets its goals there)."""
     ids = tokens[0].tolist()
     svc = _service()
     svc.learn_model(model, make_prompt_cache(model))
@@ -164,9 +165,9 @@ def test_the_service_stores_keys_pre_rope_once_it_learnt_the_model(model, tokens
     plain = _service()
     plain.learn_model(model, make_prompt_cache(model))
     assert plain.give_back("m", ids, _plain(model, tokens))
-    assert set(plain.stats()["bytes_stored_by_codec"]) == {"rotated-channel-k4v4-s4r16+prerope"}
+    assert set(plain.stats()["bytes_stored_by_codec"]) == {"rotated-channel-k4v4-s4r16"}
     unknown = _service()  # a host that never handed its model over: stored as before
-    assert unknown.give_back("m", ids, _plain(model, tokens))
+    assert unknown.give_back("m", ids, _rings(model, tokens, True))
     assert set(unknown.stats()["bytes_stored_by_codec"]) == {"rotated-channel-k4v4-s4r16"}
     # the same entry in a process that does not know the model's rope: a miss
     other = _service()

@@ -40,6 +40,8 @@ def kvplugin_quantize_entry(
         return None
     from kvplugin.codecs import codec_plan
 
+    from kvplugin.cache.codec.prerope import window_ropes
+
     plan = codec_plan(settings)
     result = quantize.quantize_entry(
         cache,
@@ -52,7 +54,7 @@ def kvplugin_quantize_entry(
         prompt_boundaries=prompt_boundaries,
         stored_prefix=stored_prefix,
         quantize_state=plan.quantize_state,
-        key_ropes=key_ropes if plan.prerope_keys else None,
+        key_ropes=window_ropes(cache, key_ropes) if plan.prerope_keys else None,
         consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None

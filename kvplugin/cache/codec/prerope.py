@@ -25,7 +25,7 @@ from kvplugin.cache.model.rope import KeyRope, parse_record
 from kvplugin.codecs import CHANNEL_KEYS, UnknownCodec
 
 __all__ = ["KEY_ROPE_ATTR", "Runs", "plain_runs", "ring_runs", "turn", "turn_numpy",
-           "recorded_rope", "check_rope"]
+           "window_ropes", "recorded_rope", "check_rope"]
 
 #: What a layer stored with pre-RoPE keys records its rope under (:attr:`KeyRope.record`)
 KEY_ROPE_ATTR = "kvplugin_key_rope"
@@ -100,6 +100,20 @@ def turn_numpy(x: np.ndarray, rope: KeyRope, runs: Runs) -> np.ndarray:
     partner *= signed
     turned += partner
     return x
+
+
+def window_ropes(cache: list, key_ropes: Any) -> tuple | None:
+    """``key_ropes`` kept for the entry's rotating layers (sliding windows, ``--max-kv-size``)
+    only, None for its plain ones: what a server stores pre-RoPE. Why not plain layers: with
+    their keys pre-RoPE a real chat's answers left stock's at near ties where post-RoPE keys
+    kept them (docs/benchmarks.md, "Pre-RoPE keys")."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    if key_ropes is None or len(key_ropes) != len(cache):
+        return None
+    kept = tuple(rope if isinstance(layer, RotatingKVCache) else None
+                 for rope, layer in zip(key_ropes, cache))
+    return kept if any(kept) else None
 
 
 def recorded_rope(layer: Any, codec: str) -> KeyRope | None:

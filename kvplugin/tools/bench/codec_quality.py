@@ -76,7 +76,8 @@ def parse_codec(spec: str) -> dict[str, Any]:
 
 def default_codecs() -> dict[str, int]:
     """The default codec of each ``--kv-cache-quantization-bits`` of :data:`DEFAULT_BITS`,
-    as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves)."""
+    as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves; a
+    server stores pre-RoPE keys on rotating layers only)."""
     from types import SimpleNamespace
 
     from kvplugin.codecs import codec_plan
@@ -89,7 +90,7 @@ def default_codecs() -> dict[str, int]:
             kv_cache_quantization_group_size=64))
         out[f"{plan.codec}-k{plan.key_bits}v{plan.value_bits}-g{plan.group_size}"
             f"-s{plan.sink_tokens}r{plan.recent_tokens}"
-            f"{PRE_ROPE if plan.prerope_keys else ''}"] = bits
+            f"{PRE_ROPE_WINDOWS if plan.prerope_keys else ''}"] = bits
     return out
 
 
