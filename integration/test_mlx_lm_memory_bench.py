@@ -25,7 +25,7 @@ def test_memory_bench_measures_stock_and_kvplugin(tiny_model, tmp_path):
     assert set(data) == {"stock", "fp16", "4bit"}
     # each row names what produced it: the quantized one its resolved codec
     assert [data[k]["summary"]["server"] for k in data] == [
-        "stock", "kvplugin fp16", "kvplugin 4-bit (rotated-channel-k4v4-s4r16+prerope)"]
+        "stock", "kvplugin fp16", "kvplugin 4-bit (rotated-channel-k4v4-s4r16)"]
     for key, run in data.items():
         s = run["summary"]
         assert s["entry_mib"] > 0 and s["held_after_mib"] >= 0, (key, s)
