@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODECS", "CHANNEL_KEYS", "CHOICES", "SYM", "PRE_ROPE", "PREROPE_CODECS", "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan",
-           "UnknownCodec", "codec_plan", "fitting_codec"]
+__all__ = ["CODECS", "CHANNEL_KEYS", "CHOICES", "SYM", "PRE_ROPE", "PREROPE_CODECS",
+           "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan", "UnknownCodec",
+           "codec_plan", "fitting_codec"]
 
 CODECS = ("affine", "rotated", "rotated-channel", "rotated-channel-sym")  # what
 # kvplugin.cache.codec.quantize can read
@@ -67,7 +68,7 @@ class CodecPlan:
     sink_tokens: int
     recent_tokens: int
     quantize_state: bool = True  # recurrent state rotated at 8 bits (cache/codec/state.py)
-    #: per-channel keys stored pre-RoPE where the layer's rope is known (cache/codec/prerope.py)
+    #: rotating layers' keys stored pre-RoPE where their rope is known (cache/codec/prerope.py)
     prerope_keys: bool = False
 
     @property

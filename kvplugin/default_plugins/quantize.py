@@ -38,9 +38,8 @@ def kvplugin_quantize_entry(
 
     if num_tokens < settings.kv_cache_min_quantize_tokens:
         return None
-    from kvplugin.codecs import codec_plan
-
     from kvplugin.cache.codec.prerope import window_ropes
+    from kvplugin.codecs import codec_plan
 
     plan = codec_plan(settings)
     result = quantize.quantize_entry(
