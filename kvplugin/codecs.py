@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODECS", "CHANNEL_KEYS", "CHOICES", "SYM", "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan",
-           "UnknownCodec", "codec_plan", "fitting_codec"]
+__all__ = ["CODECS", "CHANNEL_KEYS", "CHOICES", "SYM", "PRE_ROPE", "PREROPE_CODECS",
+           "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan", "UnknownCodec",
+           "codec_plan", "fitting_codec"]
 
 CODECS = ("affine", "rotated", "rotated-channel", "rotated-channel-sym")  # what
 # kvplugin.cache.codec.quantize can read
@@ -45,6 +46,11 @@ PROTECTED_DEFAULT = (4, 16)
 PROTECT_BELOW_BITS = 6
 #: ... and for ``rotated-channel-sym``, whose point is size: 6 recent rows (docs/benchmarks.md)
 SYM_PROTECTED_DEFAULT = (4, 6)
+#: What a codec's name ends with where its keys are stored pre-RoPE
+PRE_ROPE = "+prerope"
+#: The codecs whose keys ``--kv-cache-prerope-keys`` stores pre-RoPE (on rotating layers:
+#: docs/benchmarks.md, "Pre-RoPE keys"); ``rotated-channel-sym`` measured worse with them
+PREROPE_CODECS = ("rotated-channel",)
 
 
 class UnknownCodec(ValueError):
@@ -62,13 +68,17 @@ class CodecPlan:
     sink_tokens: int
     recent_tokens: int
     quantize_state: bool = True  # recurrent state rotated at 8 bits (cache/codec/state.py)
+    #: rotating layers' keys stored pre-RoPE where their rope is known (cache/codec/prerope.py)
+    prerope_keys: bool = False
 
     @property
     def name(self) -> str:
-        """As stored layers name it (``codec_name``), e.g. ``rotated-channel-k4v4-s4r16``."""
+        """As stored layers name it (``codec_name``), e.g. ``rotated-channel-k4v4-s4r16``,
+        ``+prerope`` where keys are stored pre-RoPE."""
         extra = (f"-s{self.sink_tokens}r{self.recent_tokens}"
                  if self.sink_tokens or self.recent_tokens else "")
-        return f"{self.codec}-k{self.key_bits}v{self.value_bits}{extra}"
+        pre = PRE_ROPE if self.prerope_keys else ""
+        return f"{self.codec}-k{self.key_bits}v{self.value_bits}{extra}{pre}"
 
 
 def codec_plan(settings: Any) -> CodecPlan:
@@ -88,9 +98,10 @@ def codec_plan(settings: Any) -> CodecPlan:
         sink = settings.kv_cache_sink_tokens
     if settings.kv_cache_recent_tokens is not None:
         recent = settings.kv_cache_recent_tokens
+    prerope = codec in PREROPE_CODECS and getattr(settings, "kv_cache_prerope_keys", True)
     return CodecPlan(codec, key_bits, value_bits,
                      settings.kv_cache_quantization_group_size, sink, recent,
-                     getattr(settings, "kv_cache_quantize_state", True))
+                     getattr(settings, "kv_cache_quantize_state", True), prerope)
 
 
 def fitting_codec(codec: str, key_width: int, value_width: int) -> str:

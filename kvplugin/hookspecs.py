@@ -37,8 +37,9 @@ PROJECT = "kvplugin"
 #: Version 2 added ``kvplugin_unconfigure``; version 3 ``kvplugin_cache_event``; version 4
 #: ``kvplugin_admit``; version 5 the ``prompt_boundaries`` argument of
 #: ``kvplugin_quantize_entry``; version 6 its ``stored_prefix`` argument; version 7 the
-#: ``seconds`` argument of ``kvplugin_cache_event``.
-HOOK_API_VERSION = 7
+#: ``seconds`` argument of ``kvplugin_cache_event``; version 8 the ``key_ropes`` argument of
+#: ``kvplugin_quantize_entry`` and ``kvplugin_dequantize_entry``.
+HOOK_API_VERSION = 8
 #: The attribute a plugin sets to the contract version it needs.
 API_VERSION_ATTR = "kvplugin_hook_api_version"
 
@@ -91,6 +92,7 @@ def kvplugin_trim_entry(cache: list) -> list | None:
 def kvplugin_quantize_entry(
     cache: list, num_tokens: int, settings: KVPluginSettings,
     prompt_boundaries: tuple[int, ...], stored_prefix: list | None,
+    key_ropes: tuple | None,
 ) -> list | None:
     """Quantize an entry of ``num_tokens`` tokens before it is stored.
 
@@ -104,14 +106,21 @@ def kvplugin_quantize_entry(
     6): the layers of an entry the store holds for this entry's first tokens, as a codec
     stored them, or ``None``; the built-in copies the rows it wrote with the same codec
     rather than quantize them again (a turn then costs its new tokens, not its history).
+    ``key_ropes`` (API version 7): each layer's key rope
+    (:class:`kvplugin.cache.model.rope.KeyRope`, None where unknown) of the model the host
+    loaded, or ``None``; the built-in stores per-channel keys pre-RoPE with it.
     """
 
 
 @hookspec(firstresult=True)
-def kvplugin_dequantize_entry(cache: list, settings: KVPluginSettings) -> list | None:
+def kvplugin_dequantize_entry(cache: list, settings: KVPluginSettings,
+                              key_ropes: tuple | None) -> list | None:
     """Restore a stored entry for a host path that cannot use quantized layers.
 
     Return the full-precision entry, or ``None`` if there is nothing to restore.
+    ``key_ropes`` (API version 7): as for ``kvplugin_quantize_entry``; the built-in puts
+    each rope back on keys stored pre-RoPE, and an entry whose rope it does not give is a
+    miss.
     """
 
 

@@ -169,6 +169,13 @@ class KVPluginSettings(BaseSettings):
         description="With quantization on, also store recurrent state (Mamba, GatedDeltaNet, "
         "Falcon-H1's SSM half) rotated at 8 bits; off: kept at full precision.",
     )
+    kv_cache_prerope_keys: bool = Field(
+        True,
+        description="With quantization on, rotated-channel keys (the 4-bit default) of sliding-window "
+        "and --max-kv-size layers are stored with the model's RoPE taken out at each "
+        "token's position and put back on restore, where kvplugin knows the layer's RoPE; "
+        "off: stored as the model made them.",
+    )
     kv_cache_min_quantize_tokens: int = Field(
         256,
         description="Entries shorter than this many tokens stay full precision.",
@@ -265,7 +272,7 @@ class KVPluginSettings(BaseSettings):
     )
 
     @field_validator("kv_cache_quantization", "hot_cache_only", "kv_cache_require_salt",
-                     "kv_cache_quantize_state",
+                     "kv_cache_quantize_state", "kv_cache_prerope_keys",
                      mode="before")
     @classmethod
     def _strict_bool(cls, v: Any) -> Any:
@@ -411,10 +418,7 @@ def shown_value(field: str, value: Any) -> Any:
 
 
 def option_info(field: str) -> OptionInfo:
-    for info in option_infos():
-        if info.field == field:
-            return info
-    raise KeyError(field)
+    return {info.field: info for info in option_infos()}[field]
 
 
 def _describe(

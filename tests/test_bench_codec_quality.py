@@ -97,7 +97,8 @@ def test_the_default_codecs_are_what_the_settings_resolve():
     for spec, bits in got.items():
         plan = codec_plan(resolve_settings({"kv_cache_quantization_bits": bits}))
         assert spec == (f"{plan.codec}-k{plan.key_bits}v{plan.value_bits}-g{plan.group_size}"
-                        f"-s{plan.sink_tokens}r{plan.recent_tokens}")
+                        f"-s{plan.sink_tokens}r{plan.recent_tokens}"
+                        f"{'+prerope-windows' if plan.prerope_keys else ''}")
 
 
 def test_pre_rope_keys_follow_each_slot_of_a_wrapped_ring():
@@ -107,21 +108,21 @@ def test_pre_rope_keys_follow_each_slot_of_a_wrapped_ring():
     import mlx.core as mx
     from mlx_lm.models.cache import RotatingKVCache
 
-    from kvplugin.tools.bench.codec_quality import _rope_keys, _slot_positions
+    from kvplugin.cache.codec.prerope import ring_runs, turn
+    from kvplugin.cache.model.rope import KeyRope
 
     ring, raw = RotatingKVCache(8, 2), []
-    rope = (16, 10000.0, 1.0, False)
+    rope = KeyRope(16, False, 10000.0, 1.0)
     for p in range(21):  # one token at a time: wraps in place
         k = mx.random.normal((1, 1, 1, 16), key=mx.random.key(p))
         raw.append(k)
         turned = mx.fast.rope(k, 16, traditional=False, base=10000.0, scale=1.0, offset=p)
         ring.update_and_fetch(turned, turned)
-    positions = _slot_positions(ring)
+    runs = ring_runs(ring.offset, ring.keys.shape[-2], ring.keep, ring._idx)
+    positions = [p + i for _, n, p in runs for i in range(n)]
     assert sorted(positions) == [0, 1] + list(range(15, 21))
     assert positions[ring._idx - 1] == 20
-    before = ring.keys
-    _rope_keys([ring], [rope], -1.0)
+    unrotated = turn(ring.keys, rope, runs, -1.0)
     for slot, p in enumerate(positions):
-        assert mx.allclose(ring.keys[..., slot, :], raw[p][..., 0, :], atol=1e-5)
-    _rope_keys([ring], [rope], 1.0)
-    assert mx.allclose(ring.keys, before, atol=1e-5)
+        assert mx.allclose(unrotated[..., slot, :], raw[p][..., 0, :], atol=1e-5)
+    assert mx.allclose(turn(unrotated, rope, runs, 1.0), ring.keys, atol=1e-5)

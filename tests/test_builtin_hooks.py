@@ -67,10 +67,10 @@ def test_quantize_entry_respects_threshold_and_bits(pm):
                           "kv_cache_min_quantize_tokens": 100})
     short = pm.hook.kvplugin_trim_entry(cache=filled_cache(50))
     assert pm.hook.kvplugin_quantize_entry(cache=short, num_tokens=50, settings=s,
-                                          prompt_boundaries=(), stored_prefix=None) is None
+                                          prompt_boundaries=(), stored_prefix=None, key_ropes=None) is None
     long = pm.hook.kvplugin_trim_entry(cache=filled_cache(300))
     out = pm.hook.kvplugin_quantize_entry(cache=long, num_tokens=300, settings=s,
-                                         prompt_boundaries=(), stored_prefix=None)
+                                         prompt_boundaries=(), stored_prefix=None, key_ropes=None)
     assert all(isinstance(c, QuantizedKVCache) and c.bits == 4 for c in out)
 
 
@@ -78,8 +78,8 @@ def test_dequantize_entry_restores_plain_layers(pm):
     s = resolve_settings({"kv_cache_quantization": True, "kv_cache_min_quantize_tokens": 0})
     entry = pm.hook.kvplugin_trim_entry(cache=filled_cache(300))
     q = pm.hook.kvplugin_quantize_entry(cache=entry, num_tokens=300, settings=s,
-                                       prompt_boundaries=(), stored_prefix=None)
-    out = pm.hook.kvplugin_dequantize_entry(cache=q, settings=s)
+                                       prompt_boundaries=(), stored_prefix=None, key_ropes=None)
+    out = pm.hook.kvplugin_dequantize_entry(cache=q, settings=s, key_ropes=None)
     assert all(type(c) is KVCache and c.offset == 300 for c in out)
     err = mx.abs(out[0].keys[..., :300, :] - entry[0].keys).max().item()
     assert err < 0.05

@@ -94,7 +94,8 @@ def test_blocking_one_default_plugin_leaves_the_others(monkeypatch):
     assert [p.name for p in plugins.list_plugins(pm)] == ["bound", "storage", "trim"]
     s = resolve_settings({"kv_cache_quantization": True, "kv_cache_min_quantize_tokens": 0})
     assert pm.hook.kvplugin_quantize_entry(cache=[], num_tokens=10, settings=s,
-                                          prompt_boundaries=()) is None
+                                          prompt_boundaries=(), stored_prefix=None,
+                                          key_ropes=None) is None
     assert pm.hook.kvplugin_trim_entry(cache=[]) == []  # trim still answers
 
 

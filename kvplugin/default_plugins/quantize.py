@@ -32,11 +32,13 @@ def kvplugin_configure(settings: KVPluginSettings, host: str) -> None:
 def kvplugin_quantize_entry(
     cache: list, num_tokens: int, settings: KVPluginSettings,
     prompt_boundaries: tuple[int, ...] = (), stored_prefix: list | None = None,
+    key_ropes: tuple | None = None,
 ) -> list | None:
     from kvplugin.cache.codec import quantize
 
     if num_tokens < settings.kv_cache_min_quantize_tokens:
         return None
+    from kvplugin.cache.codec.prerope import window_ropes
     from kvplugin.codecs import codec_plan
 
     plan = codec_plan(settings)
@@ -51,13 +53,17 @@ def kvplugin_quantize_entry(
         prompt_boundaries=prompt_boundaries,
         stored_prefix=stored_prefix,
         quantize_state=plan.quantize_state,
+        key_ropes=window_ropes(cache, key_ropes) if plan.prerope_keys else None,
         consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None
 
 
 @hookimpl(trylast=True)
-def kvplugin_dequantize_entry(cache: list, settings: KVPluginSettings) -> list | None:
+def kvplugin_dequantize_entry(cache: list, settings: KVPluginSettings,
+                              key_ropes: tuple | None = None) -> list | None:
     from kvplugin.cache.codec import quantize
 
-    return quantize.dequantize_entry(cache, consume=True)  # a fetched entry is the caller's
+    # a fetched entry is the caller's; keys stored pre-RoPE need the serving model's ropes
+    # whatever the settings say now (an entry from a cold tier may predate them)
+    return quantize.dequantize_entry(cache, consume=True, key_ropes=key_ropes)

@@ -22,7 +22,8 @@ def entry_format(settings: KVPluginSettings) -> str:
     plan = codec_plan(settings)
     return (f"{plan.codec}:k{plan.key_bits}v{plan.value_bits}:g{plan.group_size}"
             f":min{settings.kv_cache_min_quantize_tokens}"
-            f":sink{plan.sink_tokens}:recent{plan.recent_tokens}")
+            f":sink{plan.sink_tokens}:recent{plan.recent_tokens}"
+            f"{':prerope' if plan.prerope_keys else ''}")
 
 
 @hookimpl(trylast=True)

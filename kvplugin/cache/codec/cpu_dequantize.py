@@ -139,14 +139,15 @@ def _unrotation(width: int, seed: int) -> np.ndarray:
 
 
 def restore_layer(layer: Any, codec: str, seed: int, n: int, vbits: int, kept: list,
-                  dtype: Any) -> tuple[mx.array, mx.array]:
+                  dtype: Any, rope: Any = None, runs: Any = None) -> tuple[mx.array, mx.array]:
     """The first ``n`` keys and values of a layer quantized with a rotated ``codec``, in
     ``dtype``.
 
     ``kept`` are the layer's full-precision rows for keys and values (or ``None``), written
     back by the MLX path's own ``_restore_protected`` (it only slices, so it takes numpy
     arrays as well). numpy's BLAS runs the rotation on one thread: on every core its idle
-    workers spin after each GEMM and slow the host's next MLX matmuls.
+    workers spin after each GEMM and slow the host's next MLX matmuls. ``rope`` at ``runs``:
+    the keys' rope put back (:func:`kvplugin.cache.codec.prerope.turn_numpy`).
     """
     from kvplugin.cache.codec.protected import restore_protected as _restore_protected
     from kvplugin.codecs import CHANNEL_KEYS, SYM
@@ -155,10 +156,15 @@ def restore_layer(layer: Any, codec: str, seed: int, n: int, vbits: int, kept: l
     restore_values = _symmetric if codec == SYM else _per_token
     out = []
     with _numpy_blas().limit(limits=1):
-        for restore, parts, rows, bits in ((restore_keys, layer.keys, kept[0], layer.bits),
-                                           (restore_values, layer.values, kept[1], vbits)):
+        for restore, parts, rows, bits, turned in (
+                (restore_keys, layer.keys, kept[0], layer.bits, rope),
+                (restore_values, layer.values, kept[1], vbits, None)):
             x = restore(parts, n, layer.group_size, bits)  # still rotated
             x = x @ _unrotation(x.shape[-1], seed)  # one GEMM per head, no copy of the view
+            if turned is not None:
+                from kvplugin.cache.codec.prerope import turn_numpy
+
+                x = turn_numpy(x, turned, runs)
             x = _restore_protected(x, None if rows is None else _f32(rows), layer, n)
             out.append(mx.array(x.astype(np.float16) if dtype == mx.float16 else x))
     return tuple(x if x.dtype == dtype else x.astype(dtype) for x in out)  # bfloat16

@@ -121,6 +121,7 @@ def _quantize_layer(
     boundaries: Any = (),
     stored: Any = None,
     chunk_bytes: int | None = None,
+    rope: Any = None,
 ) -> QuantizedKVCache:
     """``bits`` are the keys' (``layer.bits``); values use ``value_bits`` (recorded when they
     differ). ``rotated`` needs power-of-two widths (``rotated-channel`` also 32 or more); a
@@ -131,8 +132,10 @@ def _quantize_layer(
     too: exact-size arrays, simple trims). ``stored``: this layer of a stored entry that
     holds this entry's first tokens (see :func:`_reusable_rows`). ``chunk_bytes``: encode
     the keys and the values in row chunks of at most this many input bytes
-    (:func:`kvplugin.cache.codec.row_chunks.in_row_chunks`)."""
-    from kvplugin.cache.codec import rotation
+    (:func:`kvplugin.cache.codec.row_chunks.in_row_chunks`). ``rope``: the layer's key rope
+    (:mod:`kvplugin.cache.model.rope`), taken out of the keys before a per-channel codec
+    (:mod:`kvplugin.cache.codec.prerope`); the protected rows stay as the model made them."""
+    from kvplugin.cache.codec import prerope, rotation
 
     n = layer.offset
     keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
@@ -141,12 +144,19 @@ def _quantize_layer(
     q = QuantizedKVCache(group_size=group_size, bits=bits)
     if codec != "affine":
         setattr(q, SEED_ATTR, rotation.CODEC_SEED)
-    reused = _reusable_rows(stored, codec, bits, vbits, group_size, keys, values)
+    rope = rope if codec in CHANNEL_KEYS else None
+    if rope is not None:
+        setattr(q, prerope.KEY_ROPE_ATTR, rope.record)
+    reused = _reusable_rows(stored, codec, bits, vbits, group_size, keys, values,
+                            getattr(q, prerope.KEY_ROPE_ATTR, None))
     # Rows a stored prefix of this entry already holds are copied, not quantized again: the
     # codec's cost then follows the tokens a turn adds, not the conversation's length, and
     # every row is quantized once, from the values the model computed.
     key_rows = reused // group_size * group_size if codec in CHANNEL_KEYS else reused
-    q.keys, q.values = encode_rows(keys[..., key_rows:, :], values[..., reused:, :], codec,
+    coded = keys[..., key_rows:, :]
+    if rope is not None:  # rows from key_rows on, at their positions
+        coded = prerope.turn(coded, rope, ((0, n - key_rows, key_rows),), -1.0)
+    q.keys, q.values = encode_rows(coded, values[..., reused:, :], codec,
                                    bits, vbits, group_size, chunk_bytes)
     if key_rows:
         per_group = codec in CHANNEL_KEYS  # scales/minimums: one row per group of tokens
@@ -169,13 +179,15 @@ def _quantize_layer(
 
 
 def _reusable_rows(stored: Any, codec: str, bits: int, vbits: int, group_size: int,
-                   keys: mx.array, values: mx.array) -> int:
+                   keys: mx.array, values: mx.array, rope_record: str | None = None) -> int:
     """How many leading rows of ``stored`` (a layer of a stored entry whose tokens begin this
     entry's) can be copied as they are: its ``offset`` when it was written with exactly this
     codec, widths, dtype and head layout, else 0 (quantized afresh). Why it is safe: a plain
     layer's row ``i`` is token ``i``'s key and value, which depend on the tokens before it
     only, and every codec here quantizes a row (per-channel keys: a group of rows) on its
-    own, so the stored codes are those of this entry's first rows."""
+    own, so the stored codes are those of this entry's first rows (pre-RoPE keys too: a
+    row's rope depends on its position only, ``rope_record`` the same)."""
+    from kvplugin.cache.codec.prerope import KEY_ROPE_ATTR
     from kvplugin.cache.codec.rotation import CODEC_SEED
 
     if type(stored) is not QuantizedKVCache or stored.keys is None:
@@ -185,6 +197,7 @@ def _reusable_rows(stored: Any, codec: str, bits: int, vbits: int, group_size: i
             and stored.group_size == group_size
             and getattr(stored, VALUE_BITS_ATTR, bits) == vbits
             and getattr(stored, DTYPE_ATTR, None) == dtype_name(keys.dtype)
+            and getattr(stored, KEY_ROPE_ATTR, None) == rope_record
             and (codec == "affine" or getattr(stored, SEED_ATTR, None) == CODEC_SEED))
     if not same or not 0 < m <= keys.shape[-2]:
         return 0
@@ -221,6 +234,7 @@ def quantize_entry(
     stored_prefix: list | None = None,
     chunk_bytes: int | None = None,
     quantize_state: bool = False,
+    key_ropes: Any = None,
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
@@ -241,6 +255,8 @@ def quantize_entry(
     the most input bytes one codec pass encodes at once (default: 1/``CHUNK_SHARE`` of the
     entry's used rows; see :mod:`kvplugin.cache.codec.row_chunks`). ``quantize_state``: recurrent
     state (``ArraysCache``) stored rotated at 8 bits too (:mod:`kvplugin.cache.codec.state`).
+    ``key_ropes``: each layer's key rope or None (:func:`kvplugin.cache.model.rope.key_ropes`,
+    one per layer of ``cache``): per-channel keys of those layers are stored pre-RoPE.
     """
     validate_bits_group(bits, group_size)
     if value_bits is not None:
@@ -257,6 +273,8 @@ def quantize_entry(
         chunk_bytes = sum(used_bytes(layer) for layer in cache) // CHUNK_SHARE
     donors = (stored_prefix if stored_prefix is not None
               and len(stored_prefix) == len(cache) else [None] * len(cache))
+    ropes = (list(key_ropes) if key_ropes is not None and len(key_ropes) == len(cache)
+             else [None] * len(cache))
     def one(item: tuple[int, Any]) -> tuple[int, Any]:
         i, layer = item
         if type(layer) is CacheList:  # nested (Falcon-H1: state + attention): its K/V children
@@ -269,10 +287,11 @@ def quantize_entry(
                                      chunk_bytes=chunk_bytes, quantize_state=quantize_state)
         if is_quantizable(layer, group_size):
             return i, _quantize_layer(layer, bits, group_size, codec, value_bits, sink_tokens,
-                                      recent_tokens, prompt_boundaries, donors[i], chunk_bytes)
+                                      recent_tokens, prompt_boundaries, donors[i], chunk_bytes,
+                                      ropes[i])
         if is_rotating_quantizable(layer, group_size):
             return i, quantize_rotating(layer, bits, group_size, codec, value_bits, sink_tokens,
-                                        recent_tokens, chunk_bytes)
+                                        recent_tokens, chunk_bytes, ropes[i])
         if quantize_state and is_state_quantizable(layer):
             return i, quantize_state_layer(layer)
         return i, None
@@ -339,12 +358,14 @@ def codec_name(layer: Any) -> str:
     sink, recent = getattr(layer, SINK_ATTR, 0), getattr(layer, RECENT_ATTR, 0)
     if type(layer) is QuantizedRotatingKVCache and hasattr(layer, SINK_ATTR):
         recent = sum(count for _, count in protected_ranges(layer)) - sink
+    from kvplugin.cache.codec.prerope import KEY_ROPE_ATTR
+
     return CodecPlan(getattr(layer, CODEC_ATTR, "affine"), kbits,
                      getattr(layer, VALUE_BITS_ATTR, kbits), getattr(layer, "group_size", 0),
-                     sink, recent).name
+                     sink, recent, prerope_keys=hasattr(layer, KEY_ROPE_ATTR)).name
 
 
-def dequantize_entry(cache: list, *, consume: bool = False) -> list:
+def dequantize_entry(cache: list, *, consume: bool = False, key_ropes: Any = None) -> list:
     """``QuantizedKVCache`` layers back to exact-size ``KVCache`` in their original dtype.
 
     Other layers are returned unchanged (same objects). An empty quantized layer becomes an
@@ -354,24 +375,33 @@ def dequantize_entry(cache: list, *, consume: bool = False) -> list:
     the transient is one layer rather than the whole quantized entry.
 
     Raises :class:`UnknownCodec` (before changing anything) when a layer records a codec this
-    version does not know: the caller treats the entry as a miss.
+    version does not know, or keys stored pre-RoPE whose rope ``key_ropes`` (the serving
+    model's, one per layer) does not give: the caller treats the entry as a miss.
 
     With MLX on the CPU, plain layers of a rotated codec with 2-, 4- or 8-bit codes restore
     in numpy (:mod:`kvplugin.cache.codec.cpu_dequantize`, about twice as fast there); elsewhere MLX's
     kernels.
     """
+    from kvplugin.cache.codec.prerope import check_rope
     from kvplugin.cache.codec.rotating import QuantizedRotatingKVCache, rotating_codec
     from kvplugin.cache.codec.state import QuantizedArraysCache, state_record
 
-    for layer in cache:
+    known = (list(key_ropes) if key_ropes is not None and len(key_ropes) == len(cache)
+             else [None] * len(cache))
+    ropes: list = [None] * len(cache)
+    for i, layer in enumerate(cache):
         if type(layer) is QuantizedKVCache:
-            _codec_of(layer)
+            ropes[i] = check_rope(layer, _codec_of(layer)[0], known[i])
         elif type(layer) is QuantizedRotatingKVCache:
-            rotating_codec(layer)
+            ropes[i] = check_rope(layer, rotating_codec(layer)[0], known[i])
         elif type(layer) is QuantizedArraysCache:
             state_record(layer)
     out = cache if consume else list(cache)
-    for i, layer in in_lanes(enumerate(cache), _dequantize_one, _restored_arrays):
+
+    def one(item: tuple[int, Any]) -> tuple[int, Any]:
+        return _dequantize_one(item, ropes[item[0]])
+
+    for i, layer in in_lanes(enumerate(cache), one, _restored_arrays):
         out[i] = layer
     return out
 
@@ -384,8 +414,9 @@ def _restored_arrays(result: tuple[int, Any]) -> list:
     return [x for x in held if isinstance(x, mx.array)]
 
 
-def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
-    """One layer of :func:`dequantize_entry` (left unevaluated: the caller evaluates)."""
+def _dequantize_one(item: tuple[int, Any], rope: Any = None) -> tuple[int, Any]:
+    """One layer of :func:`dequantize_entry` (left unevaluated: the caller evaluates);
+    ``rope``: its keys' rope, checked against its record."""
     from kvplugin.cache.codec.rotating import QuantizedRotatingKVCache, dequantize_rotating
     from kvplugin.cache.codec.state import QuantizedArraysCache, dequantize_state
 
@@ -395,7 +426,7 @@ def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
         changed = any(a is not b for a, b in zip(children, layer.caches))
         return i, with_children(layer, children) if changed else layer
     if type(layer) is QuantizedRotatingKVCache:
-        return i, dequantize_rotating(layer)
+        return i, dequantize_rotating(layer, rope)
     if type(layer) is QuantizedArraysCache:
         return i, dequantize_state(layer)
     if type(layer) is not QuantizedKVCache:
@@ -405,8 +436,12 @@ def _dequantize_one(item: tuple[int, Any]) -> tuple[int, Any]:
         kv.step = layer.step
     codec, seed = _codec_of(layer)
     if layer.keys is not None and layer.offset > 0:
+        from kvplugin.cache.codec.prerope import check_rope, plain_runs
+
+        rope = check_rope(layer, codec, rope)
         kv.keys, kv.values = restore_rows(layer, codec, seed, layer.offset,
-                                          _original_dtype(layer))
+                                          _original_dtype(layer), rope,
+                                          plain_runs(layer.offset))
         kv.offset = layer.offset
     return i, kv
 

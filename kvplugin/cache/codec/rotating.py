@@ -28,6 +28,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from kvplugin.cache.codec import rotation
 from kvplugin.cache.codec.channel import scale_rows
+from kvplugin.cache.codec.prerope import KEY_ROPE_ATTR, check_rope, ring_runs, turn
 from kvplugin.cache.layers import LayerKind, register_kind
 from kvplugin.cache.codec.rows import (BOUNDARY_ATTR, CHANNEL_KEYS, RECENT_ATTR,
                                           RECENT_START_ATTR, SINK_ATTR, check_record,
@@ -48,7 +49,8 @@ class QuantizedRotatingKVCache:
     """
 
     #: Record attributes a stored layer may carry besides those ``__init__`` sets
-    OPTIONAL = (VALUE_BITS_ATTR, SINK_ATTR, RECENT_START_ATTR, RECENT_ATTR, BOUNDARY_ATTR)
+    OPTIONAL = (VALUE_BITS_ATTR, SINK_ATTR, RECENT_START_ATTR, RECENT_ATTR, BOUNDARY_ATTR,
+                KEY_ROPE_ATTR)
 
     def __init__(self) -> None:
         self.keys: tuple | None = None
@@ -126,24 +128,30 @@ def _without_protected(keys: mx.array, ranges: list[tuple[int, int]]) -> mx.arra
 
 def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int,
                       codec: str = "affine", value_bits: int | None = None, sink: int = 0,
-                      recent: int = 0, chunk_bytes: int | None = None
+                      recent: int = 0, chunk_bytes: int | None = None, rope: Any = None
                       ) -> QuantizedRotatingKVCache:
     """The ring's held slots through ``codec`` (as a plain layer's rows; widths it cannot take
     fall back as :func:`kvplugin.codecs.fitting_codec` says, recorded), keys at
     ``bits``, values at ``value_bits``, the head and the newest ``recent`` slots kept at full
-    precision (see :func:`protected_slots`)."""
+    precision (see :func:`protected_slots`). ``rope``: the layer's key rope, taken out at
+    each slot's position before a per-channel codec (:mod:`kvplugin.cache.codec.prerope`)."""
     q = QuantizedRotatingKVCache()
     slots = _held_slots(layer)
     keys, values = layer.keys[..., :slots, :], layer.values[..., :slots, :]
     vbits = bits if value_bits is None else value_bits
     codec = fitting_codec(codec, keys.shape[-1], values.shape[-1])
     ranges = protected_slots(layer.offset, slots, layer.keep, layer._idx, sink, recent)
-    coded = _without_protected(keys, ranges) if codec in CHANNEL_KEYS else keys
+    runs = ring_runs(layer.offset, slots, layer.keep, min(layer._idx, slots))
+    rope = rope if codec in CHANNEL_KEYS and runs is not None else None
+    coded = keys if rope is None else turn(keys, rope, runs, -1.0)
+    coded = _without_protected(coded, ranges) if codec in CHANNEL_KEYS else coded
     q.keys, q.values = encode_rows(coded, values, codec, bits, vbits, group_size, chunk_bytes)
     protect_rows(q, keys, values, ranges)
     setattr(q, CODEC_ATTR, codec)
     if codec != "affine":
         setattr(q, SEED_ATTR, rotation.CODEC_SEED)
+    if rope is not None:
+        setattr(q, KEY_ROPE_ATTR, rope.record)
     if vbits != bits:
         setattr(q, VALUE_BITS_ATTR, vbits)
     q.offset, q.max_size, q.keep = layer.offset, layer.max_size, layer.keep
@@ -198,16 +206,23 @@ def rotating_codec(q: QuantizedRotatingKVCache) -> tuple[str, int]:
     return codec, seed
 
 
-def dequantize_rotating(q: QuantizedRotatingKVCache) -> RotatingKVCache:
+def dequantize_rotating(q: QuantizedRotatingKVCache, rope: Any = None) -> RotatingKVCache:
     """The same rotating layer back, full precision (left unevaluated: the caller's lanes
-    evaluate, :func:`kvplugin.cache.codec.quantize.dequantize_entry`)."""
+    evaluate, :func:`kvplugin.cache.codec.quantize.dequantize_entry`); ``rope``: the serving
+    model's rope of this layer, put back where its keys were stored pre-RoPE with it (else
+    :class:`UnknownCodec`)."""
     codec, seed = rotating_codec(q)
     cls = _resolve(q.cls)
     layer = cls.__new__(cls)
     RotatingKVCache.__init__(layer, q.max_size, q.keep)
     dtype = getattr(mx, q.dtype_name, mx.float16)
     dtype = dtype if isinstance(dtype, mx.Dtype) else mx.float16
-    keys, values = restore_rows(q, codec, seed, _slots(q), dtype)
+    rope = check_rope(q, codec, rope)  # None for keys stored post-RoPE
+    slots = _slots(q)
+    runs = None if rope is None else ring_runs(q.offset, slots, q.keep, q._idx)
+    if rope is not None and runs is None:
+        raise UnknownCodec("stored rotating layer with pre-RoPE keys and no slot positions")
+    keys, values = restore_rows(q, codec, seed, slots, dtype, rope, runs)
     layer.keys = keys if keys.dtype == dtype else keys.astype(dtype)
     layer.values = values if values.dtype == dtype else values.astype(dtype)
     layer.offset, layer._idx = q.offset, q._idx

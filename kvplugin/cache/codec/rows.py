@@ -126,6 +126,9 @@ def check_record(layer: Any, rows: int, codecs: tuple[str, ...] = CODECS) -> tup
         raise UnknownCodec(f"stored {codec} layer with {extra} arrays past its codec's")
     if codec in CHANNEL_KEYS and rows > 0:
         _check_packed(layer, codec, vbits, rows)
+    from kvplugin.cache.codec.prerope import recorded_rope
+
+    recorded_rope(layer, codec)
     return codec, seed if _is_int(seed) else 0
 
 
@@ -165,19 +168,27 @@ def _dequantize_codec(layer: Any, codec: str, n: int, vbits: int, dtype: Any):
     return keys, values
 
 
-def restore_rows(layer: Any, codec: str, seed: int, n: int, dtype: Any) -> tuple[mx.array, mx.array]:
+def restore_rows(layer: Any, codec: str, seed: int, n: int, dtype: Any,
+                 rope: Any = None, runs: Any = None) -> tuple[mx.array, mx.array]:
     """The first ``n`` rows of keys and values of a stored layer (its record checked by
     :func:`check_record`), in ``dtype``, left unevaluated where MLX computes them. With MLX
     on the CPU, rotated codecs with 2-, 4- or 8-bit codes restore in numpy
-    (:mod:`kvplugin.cache.codec.cpu_dequantize`); elsewhere MLX's kernels."""
+    (:mod:`kvplugin.cache.codec.cpu_dequantize`); elsewhere MLX's kernels. ``rope`` and
+    ``runs``: keys stored pre-RoPE get the model's rope back at these positions
+    (:mod:`kvplugin.cache.codec.prerope`) before the protected rows, kept as the model
+    made them, are written over them."""
     vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
     kept = [arrays[-1] if len(arrays) > codec_arrays(codec, name) else None
             for name, arrays in (("keys", layer.keys), ("values", layer.values))]
     if restores_here(codec, layer.bits, vbits):
-        return restore_layer(layer, codec, seed, n, vbits, kept, dtype)
+        return restore_layer(layer, codec, seed, n, vbits, kept, dtype, rope, runs)
     keys, values = _dequantize_codec(layer, codec, n, vbits, dtype)
     if codec != "affine":
         from kvplugin.cache.codec.rotation import unrotate
 
         keys, values = unrotate(keys, seed), unrotate(values, seed)
+    if rope is not None:
+        from kvplugin.cache.codec.prerope import turn
+
+        keys = turn(keys, rope, runs, 1.0)
     return tuple(restore_protected(x, rows, layer, n) for x, rows in zip((keys, values), kept))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -39,6 +38,7 @@ from kvplugin.cache.service.holdings import Holdings
 from kvplugin.cache.service.persist import Persistence
 from kvplugin.cache.service.pressure import quantizes_at_store, store_demotion
 from kvplugin.cache.service.report import Reporting
+from kvplugin.cache.service.counters import BatchPlan, Counters, entry_codec
 from kvplugin.cache.service.fit import ModelChecker
 from kvplugin.settings import KVPluginSettings
 
@@ -47,45 +47,6 @@ __all__ = ["BatchPlan", "Counters", "KVService", "store_key"]
 log = logging.getLogger("kvplugin")
 
 _UNLIMITED = 1 << 62
-
-
-@dataclass
-class Counters:
-    """kvplugin's own counters (the store's hits/misses/evictions come from the store)."""
-
-    entries_stored: int = 0
-    entries_quantized: int = 0
-    bytes_before: int = 0  # what the host would have stored (live cache, with slack)
-    bytes_stored: int = 0  # what kvplugin stored (trimmed, maybe quantized)
-    caches_made: int = 0
-    caches_bounded: int = 0
-    entries_rejected: int = 0  # finished caches kvplugin could not store (see rejected_by_kind)
-    entries_invalid: int = 0  # fetched entries that did not fit the model (never served)
-    memory_releases: int = 0  # MLX buffer-cache releases after evictions and codec passes
-    bytes_released: int = 0  # bytes those releases handed back to the system
-    layers_handed_back_quantized: int = 0  # quantized as the host's --kv-bits live cache is
-
-    @property
-    def bytes_saved(self) -> int:
-        return self.bytes_before - self.bytes_stored
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How a host's batched path runs: the class ``step`` of each batch cache (by class name)
-    and the bound every fresh per-request cache gets (None: not bounded)."""
-
-    steps: dict[str, int]
-    bound: int | None
-
-
-def _entry_codec(entry: list) -> str:
-    """``"full"`` for an entry stored at full precision, else its layers' codec names
-    (``rotated-k4v4``; several joined by ``+`` when layers differ)."""
-    from kvplugin.cache.codec.quantize import codec_name
-
-    names = sorted({codec_name(layer) for layer in entry if layer_bits(layer) is not None})
-    return "+".join(names) if names else "full"
 
 
 def _configure_once(hook: Any, settings: KVPluginSettings, host: str) -> bool:
@@ -183,11 +144,15 @@ class KVService(Holdings, Persistence, Reporting):
         fresh cache shaped as a request's (not counted as one). Call it in the thread that
         runs the model, before it serves. ``serving_thread``: this thread also does the
         requests' cache work later (mlx-lm's generation thread), so its codec lanes start
-        here (:func:`kvplugin.cache.codec.lanes.open_lanes`), not inside its first hit."""
+        here (:func:`kvplugin.cache.codec.lanes.open_lanes`), not inside its first hit.
+        The codec learns each layer's key rope here too (:attr:`key_ropes`)."""
         if serving_thread:
             from kvplugin.cache.codec.lanes import open_lanes
 
             open_lanes()
+        from kvplugin.cache.model.rope import key_ropes
+
+        self.key_ropes = key_ropes(model, fresh_cache)
         if self.admission.ledger is None:
             return
         shaped = self.hook.kvplugin_make_cache(model=model, cache=fresh_cache,
@@ -227,7 +192,7 @@ class KVService(Holdings, Persistence, Reporting):
             quantized = self.hook.kvplugin_quantize_entry(
                 cache=entry, num_tokens=num_tokens, settings=self.settings,
                 prompt_boundaries=self._recent_prompts.boundaries(model_key, tokens or ()),
-                stored_prefix=stored_prefix,
+                stored_prefix=stored_prefix, key_ropes=self.key_ropes,
             )
         if quantized is not None:
             entry = quantized
@@ -240,7 +205,7 @@ class KVService(Holdings, Persistence, Reporting):
             self.counters.entries_stored += 1
             self.counters.bytes_before += before
             self.counters.bytes_stored += after
-            codec = _entry_codec(entry)
+            codec = entry_codec(entry)
             self._bytes_by_codec[codec] = self._bytes_by_codec.get(codec, 0) + after
             if quantized is not None:
                 self.counters.entries_quantized += 1
@@ -438,6 +403,9 @@ class KVService(Holdings, Persistence, Reporting):
     #: ``(bits, group_size, start)`` of the host's quantized live caches (mlx-lm
     #: ``--kv-bits``, :meth:`learn_live_quantization`); None: full-precision live caches.
     live_quantization: tuple[int, int, int] | None = None
+    #: Each cache layer's key rope of the model the host loaded last (:meth:`learn_model`,
+    #: :mod:`kvplugin.cache.model.rope`); None: unknown, keys stored as the model made them
+    key_ropes: tuple | None = None
 
     def dequantize(self, cache: list) -> list:
         """The entry as the host runs it: dequantized, except layers already quantized the
@@ -450,7 +418,8 @@ class KVService(Holdings, Persistence, Reporting):
 
             keep = {i: layer for i, layer in enumerate(cache) if matches_live(layer, *live)}
         rest = [layer for i, layer in enumerate(cache) if i not in keep] if keep else cache
-        restored = self.hook.kvplugin_dequantize_entry(cache=rest, settings=self.settings)
+        restored = self.hook.kvplugin_dequantize_entry(cache=rest, settings=self.settings,
+                                                       key_ropes=self.key_ropes)
         restored = rest if restored is None else restored
         if not keep:
             return restored

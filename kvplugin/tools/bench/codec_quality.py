@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvplugin.codecs import PRE_ROPE  # a spec's suffix: keys stored pre-RoPE
 from kvplugin.tools.bench.report import environment, format_table, save_results
 
 __all__ = ["CANDIDATE_CODECS", "default_codecs", "parse_codec", "main"]
@@ -53,17 +54,20 @@ CANDIDATE_CODECS = (
     "rotated-channel-k3v3-g64-s4r16", "rotated-channel-sym-k3v3-g64-s4r6",
 )
 DEFAULT_BITS = (8, 4, 3)
-#: A codec spec's suffix: the keys' RoPE undone before the codec and redone after it, at each
-#: slot's position (KVQuant's pre-RoPE keys), measured here on the entry from outside
-PRE_ROPE = "+prerope"
+#: A spec's last suffix: the keys of plain (unbounded, global) layers at 8 bits, the
+#: windows' as the spec says (bits per layer; measured here only)
+PLAIN_K8 = "+plaink8"
+#: ... or keys pre-RoPE on rotating (window, bounded) layers only, plain ones post-RoPE
+PRE_ROPE_WINDOWS = "+prerope-windows"
 _SPEC = re.compile(r"(affine|rotated|rotated-channel|rotated-channel-sym)"
                    r"-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
 
 
 def parse_codec(spec: str) -> dict[str, Any]:
-    """``rotated-k4v4-g64-s4r32`` -> quantize_entry keyword arguments (a ``+prerope`` suffix,
-    the bench's pre-RoPE lever, aside)."""
-    m = _SPEC.fullmatch(spec.removesuffix(PRE_ROPE))
+    """``rotated-k4v4-g64-s4r32`` -> quantize_entry keyword arguments (the ``+prerope`` and
+    ``+plaink8`` suffixes aside)."""
+    m = _SPEC.fullmatch(spec.removesuffix(PLAIN_K8).removesuffix(PRE_ROPE)
+                        .removesuffix(PRE_ROPE_WINDOWS))
     if not m:
         raise ValueError(f"codec spec {spec!r} is not CODEC-kKvV-gG-sSrR")
     return dict(codec=m[1], bits=int(m[2]), value_bits=int(m[3]), group_size=int(m[4]),
@@ -72,7 +76,8 @@ def parse_codec(spec: str) -> dict[str, Any]:
 
 def default_codecs() -> dict[str, int]:
     """The default codec of each ``--kv-cache-quantization-bits`` of :data:`DEFAULT_BITS`,
-    as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves)."""
+    as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves; a
+    server stores pre-RoPE keys on rotating layers only)."""
     from types import SimpleNamespace
 
     from kvplugin.codecs import codec_plan
@@ -84,7 +89,8 @@ def default_codecs() -> dict[str, int]:
             kv_cache_codec="auto", kv_cache_sink_tokens=None, kv_cache_recent_tokens=None,
             kv_cache_quantization_group_size=64))
         out[f"{plan.codec}-k{plan.key_bits}v{plan.value_bits}-g{plan.group_size}"
-            f"-s{plan.sink_tokens}r{plan.recent_tokens}"] = bits
+            f"-s{plan.sink_tokens}r{plan.recent_tokens}"
+            f"{PRE_ROPE_WINDOWS if plan.prerope_keys else ''}"] = bits
     return out
 
 
@@ -127,6 +133,8 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc, *,
     from kvplugin.cache.layers import copy_prefix, entry_nbytes
     from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
     from kvplugin.cache.layers.trim import trim_entry
+    from kvplugin.cache.model.rope import key_ropes
+    from mlx_lm.models.cache import KVCache
 
     from kvplugin.cache.bounded.prealloc import bound_cache
 
@@ -177,22 +185,24 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc, *,
                                            truth[..., None], -1)) if full else None)
     ref_prefix_lp = None if ref_cut is None else logprobs(ref_cut, feed)
     mib = entry_nbytes(fp16) / 2**20
-    ropes = _ropes(model)
+    ropes = key_ropes(model, make_prompt_cache(model))  # as a server's KVService learns them
+    windows = ropes and tuple(r if type(c) is not KVCache else None
+                              for r, c in zip(ropes, fresh()))
     for spec in specs:
-        pre = spec.endswith(PRE_ROPE)
+        pre = (ropes if spec.removesuffix(PLAIN_K8).endswith(PRE_ROPE) else
+               windows if spec.removesuffix(PLAIN_K8).endswith(PRE_ROPE_WINDOWS) else None)
         source = copy.deepcopy(fp16)
-        if pre:
-            source = _rope_keys(source, ropes, -1.0)
-            mx.eval([a for layer in source for a in _arrays(layer)])
         t0 = time.perf_counter()
-        q = quantize_entry(source, **parse_codec(spec))
+        q = quantize_entry(source, **parse_codec(spec), key_ropes=pre)
+        if spec.endswith(PLAIN_K8):
+            wide = quantize_entry(source, **{**parse_codec(spec), "bits": 8}, key_ropes=pre)
+            q.cache = [w if type(layer) is KVCache else n
+                       for layer, n, w in zip(source, q.cache, wide.cache)]
         mx.eval([a for layer in q.cache for a in _arrays(layer)])
         t1 = time.perf_counter()
-        back = dequantize_entry(copy.deepcopy(q.cache))
+        back = dequantize_entry(copy.deepcopy(q.cache), key_ropes=ropes)
         mx.eval([a for layer in back for a in _arrays(layer)])
         t2 = time.perf_counter()
-        if pre:
-            back = _rope_keys(back, ropes, 1.0)
         lp = logprobs(restored(back), feed)
         kl = mx.sum(mx.exp(ref_lp) * (ref_lp - lp), axis=-1)[0]
         # against the fp16 entry's own top-1 on the same feed (a window's chunked forward pass
@@ -213,8 +223,8 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc, *,
             if ref_prefix_lp is None:
                 break
             q_longer = quantize_entry(copy.deepcopy(longer), **parse_codec(spec),
-                                      prompt_boundaries=boundaries)
-            lp_prefix = logprobs(cut(dequantize_entry(q_longer.cache)), feed)
+                                      prompt_boundaries=boundaries, key_ropes=pre)
+            lp_prefix = logprobs(cut(dequantize_entry(q_longer.cache, key_ropes=ropes)), feed)
             a[key].append(float(mx.sum(mx.exp(ref_prefix_lp)
                                        * (ref_prefix_lp - lp_prefix), axis=-1).mean()))
         a["kl"].append(float(kl.mean()))
@@ -225,54 +235,6 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc, *,
         a["s_per_mib"].append((t2 - t0) / mib)
         a["restore_s_per_mib"].append((t2 - t1) / mib)
     return uncut
-
-
-def _ropes(model) -> list:
-    """Each layer's standard RoPE as ``(dims, base, scale, traditional)``, or None."""
-    import mlx.nn as nn
-
-    out = []
-    for layer in model.layers:
-        rope = getattr(getattr(layer, "self_attn", None), "rope", None)
-        out.append((rope.dims, rope.base, rope.scale, rope.traditional)
-                   if type(rope) is nn.RoPE else None)
-    return out
-
-
-def _slot_positions(layer) -> list[int]:
-    """The token position each slot holds (a ring wraps: its newest slot is ``_idx - 1``)."""
-    slots, offset = layer.keys.shape[-2], layer.offset
-    if offset <= slots or not hasattr(layer, "_idx"):
-        return list(range(slots))
-    keep, ring = layer.keep, slots - layer.keep
-    pos = list(range(keep)) + [0] * ring
-    for back in range(ring):
-        pos[keep + (layer._idx - 1 - keep - back) % ring] = offset - 1 - back
-    return pos
-
-
-def _rope_keys(entry: list, ropes: list, sign: float) -> list:
-    """Every layer's keys rotated by ``sign`` x its RoPE angle at each slot's position."""
-    import mlx.core as mx
-
-    for layer, rope in zip(entry, ropes):
-        if rope is None or getattr(layer, "keys", None) is None:
-            continue
-        dims, base, scale, traditional = rope
-        pos = mx.array(_slot_positions(layer), dtype=mx.float32)
-        freqs = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-        angle = sign * scale * pos[:, None] * freqs[None]
-        cos, sin = mx.cos(angle), mx.sin(angle)
-        k = layer.keys.astype(mx.float32)
-        if traditional:
-            a, b = k[..., 0:dims:2], k[..., 1:dims:2]
-        else:
-            a, b = k[..., : dims // 2], k[..., dims // 2 : dims]
-        ra, rb = a * cos - b * sin, a * sin + b * cos
-        turned = (mx.stack([ra, rb], axis=-1).reshape(*a.shape[:-1], dims) if traditional
-                  else mx.concatenate([ra, rb], axis=-1))
-        layer.keys = mx.concatenate([turned, k[..., dims:]], axis=-1).astype(layer.keys.dtype)
-    return entry
 
 
 def _arrays(layer) -> list:
