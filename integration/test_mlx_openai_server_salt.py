@@ -19,6 +19,7 @@ import pytest
 from harness import answer_text, cached_tokens, mlx_openai_server_cmd
 
 from kvplugin.cache.tiers.remote_keys import PREFIX
+from kvplugin.tools.client import stream_chat
 
 MAX_TOKENS = 4
 SALT_A, SALT_B = "salt-a-5e21c07d", "salt-b-93f0b6a4"
@@ -58,6 +59,11 @@ def test_two_salts_never_share_a_prefix_and_no_salt_reuses_as_before(replicas, s
     assert cached_tokens(n1) < prompt // 4, n1["usage"]  # nor does a request without a salt
     n2 = _ask(srv, system, "Where do the buses go?")
     assert cached_tokens(n2) >= prompt // 2, n2["usage"]  # without a salt: reuse as before
+    salt_c = [stream_chat(srv, [system, {"role": "user", "content": question}],
+                          max_tokens=MAX_TOKENS, cache_salt="salt-c-streamed")
+              for question in ("And the ferry?", "And the trams?")]  # streamed, a new salt
+    assert salt_c[0].cached_tokens < prompt // 4, salt_c[0]  # its own namespace: empty
+    assert salt_c[1].cached_tokens >= prompt // 2, salt_c[1]  # then its own prefix
     stats = srv.get("/kvplugin/stats")
     assert stats["store_cold_hits"] >= 1, stats
     assert "could not be matched" not in srv.log_text()  # every call's request was known
