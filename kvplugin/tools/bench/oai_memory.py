@@ -75,7 +75,7 @@ def stages(model_dir: Path, kind: str, extra_env: dict[str, str], *, conversatio
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvplugin.tools.bench.oai_memory",
                                 description=__doc__)
-    p.add_argument("--model", default="tiny", help="tiny, smollm2 or a dir")
+    p.add_argument("--model", default="tiny", help="tiny, smollm2, kv-heavy or a dir")
     p.add_argument("--kinds", default="stock,fp16,8bit")
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=3)
