@@ -93,7 +93,7 @@ class _Service:
     def model_key(self, fingerprint):
         return f"model:{fingerprint}"
 
-    salted_key = staticmethod(lambda key, salt: f"{key}#{salt}")
+    salted_key = staticmethod(lambda key, salt: key if salt is None else f"{key}#{salt}")
 
     def fetch(self, key, tokens, *, model=None):
         self.fetched.append(key)

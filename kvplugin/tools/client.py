@@ -75,9 +75,11 @@ def _usage(reply: Reply, usage: Mapping[str, Any] | None) -> None:
 
 
 def stream_chat(srv: ServerProcess, messages: Sequence[Mapping[str, Any]], max_tokens: int = 16,
-                timeout: float | None = None, seed: int | None = None) -> Reply:
-    """POST a streamed chat completion; time the first and every content chunk."""
-    data = json.dumps(_body(srv, messages, max_tokens, True, seed)).encode()
+                timeout: float | None = None, seed: int | None = None,
+                **fields: Any) -> Reply:
+    """POST a streamed chat completion (``fields``: more of the body, e.g. ``cache_salt``);
+    time the first and every content chunk."""
+    data = json.dumps({**_body(srv, messages, max_tokens, True, seed), **fields}).encode()
     req = urllib.request.Request(srv.url + "/v1/chat/completions", data=data, method="POST",
                                  headers={"Content-Type": "application/json"})
     reply = Reply()

@@ -16,6 +16,7 @@ One job per module:
   over the service;
 * :mod:`.handler` - the child's seams: the prompt cache, ``make_prompt_cache``, mlx-lm's
   batch caches, admission and the report methods the server calls;
+* :mod:`.salt` - a request's ``cache_salt`` carried to the prompt cache on both paths;
 * :mod:`.routes` - ``GET /kvplugin/stats`` and ``GET /metrics`` on the server's FastAPI app.
 
 Seams (mlx-openai-server 1.8.x):
@@ -45,7 +46,10 @@ Seams (mlx-openai-server 1.8.x):
 ``MLXLMHandler.__init__`` / ``_build_inference_context`` / ``generate_text_response`` /
 ``generate_text_stream``
     Wrapped: the model is bound to the prompt cache; ``--max-memory`` admits each request
-    once its prompt is tokenized and releases it when its answer ends.
+    once its prompt is tokenized and releases it when its answer ends; before that, the
+    request's ``cache_salt`` (kept by its request model) is checked and carried
+    (:mod:`.salt`: ``_PendingRequest``, ``BatchScheduler.__init__`` and ``BatchGenerator``'s
+    ``insert_segments`` / ``extract_cache`` / ``next`` too).
 
 Importing this package imports neither the host nor mlx.
 """

@@ -21,7 +21,9 @@ from kvplugin.hosts.base import PatchRegistry, wraps_original
 __all__ = ["install_admission"]
 
 
-def install_admission(adapter: Any, handler_cls: Any, patches: PatchRegistry) -> None:
+def install_admission(adapter: Any, handler_cls: Any, patches: PatchRegistry) -> dict:
+    """Patch the seams above; returns the table of refusals (``id(request)`` -> a verdict's
+    status, reason and ``retry_after_s``) that the generation wrappers answer with."""
     refusals: dict[int, Any] = {}  # id(request) -> its verdict, while its answer unwinds
     patches.replace(handler_cls, "_build_inference_context",
                     _wrap_build(adapter, handler_cls._build_inference_context, refusals))
@@ -29,6 +31,7 @@ def install_admission(adapter: Any, handler_cls: Any, patches: PatchRegistry) ->
                     _wrap_response(adapter, handler_cls.generate_text_response, refusals))
     patches.replace(handler_cls, "generate_text_stream",
                     _wrap_stream(adapter, handler_cls.generate_text_stream, refusals))
+    return refusals
 
 
 def _wrap_build(adapter: Any, original: Callable, refusals: dict) -> Callable:

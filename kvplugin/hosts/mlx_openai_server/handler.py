@@ -1,5 +1,6 @@
 """The model process's seams: its prompt cache, cache construction, mlx-lm's batch caches,
-admission in front of both generation paths, and the report methods the server calls.
+admission and requests' ``cache_salt`` in front of both generation paths, and the report
+methods the server calls.
 
 Why patched when the first language-model handler is built, not at import: the server
 process imports ``app.server`` too but never mlx; these modules (and mlx) are imported only
@@ -60,7 +61,12 @@ def install_child(adapter: Any, patches: PatchRegistry) -> None:
     model_mod = importlib.import_module("app.models.mlx_lm")
     handler_mod = importlib.import_module("app.handler.mlx_lm")
     cache_mod = importlib.import_module("mlx_lm.models.cache")
+    sched_mod = importlib.import_module("app.core.batch_scheduler")
+    gen_mod = importlib.import_module("mlx_lm.generate")
     check_child_seams(pc_mod, model_mod, handler_mod, cache_mod)
+    from kvplugin.hosts.mlx_openai_server.salt import check_salt_seams, install_salt
+
+    check_salt_seams(sched_mod, gen_mod)
     adapter._cache_mod = cache_mod
 
     from kvplugin.hosts.mlx_openai_server.prompt_cache import KVPluginOaiPromptCache
@@ -84,12 +90,15 @@ def install_child(adapter: Any, patches: PatchRegistry) -> None:
     patches.replace(cls, "__init__", _wrap_init(adapter, cls.__init__, original_mpc))
     from kvplugin.hosts.mlx_openai_server.admission import install_admission
 
-    install_admission(adapter, cls, patches)
+    refusals = install_admission(adapter, cls, patches)
+    install_salt(adapter, cls, sched_mod, gen_mod, refusals, patches)  # checked before admission
     patches.add(cls, "kvplugin_report", _report)
     patches.add(cls, "kvplugin_stats", _stats)
 
 
 def _wrap_make_prompt_cache(adapter: Any, original: Callable) -> Callable:
+    from kvplugin.hosts.mlx_openai_server.salt import fetch_salt, tag_cache
+
     @wraps_original(original)
     def make_prompt_cache(model: Any, *args: Any, **kwargs: Any) -> list:
         cache = original(model, *args, **kwargs)
@@ -97,11 +106,12 @@ def _wrap_make_prompt_cache(adapter: Any, original: Callable) -> Callable:
         if service is None:  # before the handler's prompt cache exists (the model's probe)
             return cache
         try:
-            return service.make_cache(model, cache)
+            cache = service.make_cache(model, cache)
         except Exception as exc:
             say(f"could not shape a new cache ({type(exc).__name__}: {exc}); using "
                 "mlx-lm's", key="oai:make-cache-failed")
-            return cache
+        tag_cache(cache, fetch_salt())  # the single-request path inserts it on another thread
+        return cache
 
     return make_prompt_cache
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvplugin.cache.model.fingerprint import model_fingerprint
+from kvplugin.hosts.mlx_openai_server.salt import UNKNOWN, fetch_salt, insert_salt, tag_cache
 from kvplugin.log import say
 
 __all__ = ["KVPluginOaiPromptCache"]
@@ -51,12 +52,15 @@ class KVPluginOaiPromptCache:
         self.model = model if checked else None
         self._model_key = self.service.model_key(model_fingerprint(model))
 
-    def _key(self, source: str) -> str:
+    def _key(self, source: str, salt: str | None) -> str:
+        """The store key of ``source``'s entries for a request with ``salt``."""
         key = self._model_key
         if key is None:
             raise RuntimeError("the prompt cache has no model bound")
         # the batched path's entries keep the model's own key (shared with mlx-lm replicas)
-        return key if source == "batch" else self.service.salted_key(key, f"source:{source}")
+        if source != "batch":
+            key = self.service.salted_key(key, f"source:{source}")
+        return self.service.salted_key(key, salt)
 
     # -- what the host calls -------------------------------------------------------------
     def __len__(self) -> int:
@@ -69,21 +73,33 @@ class KVPluginOaiPromptCache:
     def fetch_nearest_cache(self, tokens_ids: list[int], *,
                             allowed_sources: set[str] | None = None) -> tuple[Any, list[int]]:
         sources = sorted(allowed_sources) if allowed_sources is not None else ["batch", NONBATCH]
+        salt = fetch_salt()
+        if salt is UNKNOWN:  # never served from a namespace that may not be the request's
+            say("a prompt-cache fetch could not be matched to its request; served without a "
+                "cached prefix", key="oai:fetch-unknown-salt")
+            return None, tokens_ids
         for source in sources:
             try:
-                cache, n = self.service.fetch(self._key(source), tokens_ids, model=self.model)
+                cache, n = self.service.fetch(self._key(source, salt), tokens_ids,
+                                              model=self.model)
             except Exception as exc:  # a request must never fail because of the store
                 say(f"prompt cache fetch failed ({type(exc).__name__}: {exc}); serving "
                     "without a cached prefix", key="oai:fetch-failed")
                 return None, tokens_ids
             if cache is not None and n > 0:
+                tag_cache(cache, salt)  # the single-request path inserts it on another thread
                 return cache, list(tokens_ids[n:])
         return None, tokens_ids
 
     def insert_cache(self, tokens_ids: list[int], prompt_cache: list[Any], *,
                      cache_type: str = "assistant", source: str = NONBATCH) -> None:
+        salt = insert_salt(prompt_cache)
+        if salt is UNKNOWN:  # never stored where another request's salt could find it
+            say("a finished cache could not be matched to its request; not stored",
+                key="oai:insert-unknown-salt")
+            return
         try:
-            self.service.give_back(self._key(source), list(tokens_ids), prompt_cache)
+            self.service.give_back(self._key(source, salt), list(tokens_ids), prompt_cache)
         except Exception as exc:
             say(f"prompt cache insert failed ({type(exc).__name__}: {exc}); entry dropped",
                 key="oai:insert-failed")

@@ -186,7 +186,7 @@ def report(name: str, result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvplugin.tools.bench.oai", description=__doc__)
-    p.add_argument("--model", action="append", default=None, help="tiny, smollm2 or a dir")
+    p.add_argument("--model", action="append", default=None, help="tiny, smollm2, kv-heavy or a dir")
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget-mib", type=int, default=64)
