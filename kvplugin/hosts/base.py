@@ -279,3 +279,24 @@ def config_of(path: str | os.PathLike | None) -> dict | None:
         return json.loads(cfg.read_text())
     except (OSError, ValueError):
         return None
+
+
+def shaping_make_prompt_cache(adapter: Any, original: Callable, key: str) -> Callable:
+    """mlx-lm's ``make_prompt_cache`` whose caches the session shapes (``--max-kv-size``,
+    growth step); the host's own cache when no session exists yet or shaping fails (said once
+    under ``key``)."""
+
+    @wraps_original(original)
+    def make_prompt_cache(model: Any, *args: Any, **kwargs: Any) -> list:
+        cache = original(model, *args, **kwargs)
+        service = adapter.service
+        if service is None:  # no session in this process (yet): stock behaviour
+            return cache
+        try:
+            return service.make_cache(model, cache)
+        except Exception as exc:
+            say(f"could not shape a new cache ({type(exc).__name__}: {exc}); using "
+                "mlx-lm's", key=key)
+            return cache
+
+    return make_prompt_cache

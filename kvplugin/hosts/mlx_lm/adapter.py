@@ -18,6 +18,7 @@ from kvplugin.hosts.base import (
     config_of,
     fail_start,
     require,
+    shaping_make_prompt_cache,
     wraps_original,
 )
 from kvplugin.hostspecs import MLX_LM
@@ -68,7 +69,7 @@ class MlxLmAdapter(HostAdapter, declaration=MLX_LM):
 
         original_mpc = cache_mod.make_prompt_cache
         self._original_mpc = original_mpc
-        wrapped_mpc = self._wrap_make_prompt_cache(original_mpc)
+        wrapped_mpc = shaping_make_prompt_cache(self, original_mpc, "mlx-lm:make-cache-failed")
         patches.replace(cache_mod, "make_prompt_cache", wrapped_mpc)
         patches.replace(server, "make_prompt_cache", wrapped_mpc)
         if getattr(gen_mod, "make_prompt_cache", None) is original_mpc:  # 0.32.x copy
@@ -309,24 +310,6 @@ class MlxLmAdapter(HostAdapter, declaration=MLX_LM):
                 service.close()  # shut-down: store closed, then kvplugin_unconfigure
 
         return run
-
-    def _wrap_make_prompt_cache(self, original: Callable) -> Callable:
-        adapter = self
-
-        @wraps_original(original)
-        def make_prompt_cache(model, *args: Any, **kwargs: Any) -> list:
-            cache = original(model, *args, **kwargs)
-            service = adapter.service
-            if service is None:  # no kvplugin server in this process: stock behaviour
-                return cache
-            try:
-                return service.make_cache(model, cache)
-            except Exception as exc:
-                say(f"could not shape a new cache ({type(exc).__name__}: {exc}); using "
-                    "mlx-lm's", key="mlx-lm:make-cache-failed")
-                return cache
-
-        return make_prompt_cache
 
     def _wrap_load(self, original: Callable) -> Callable:
         adapter = self

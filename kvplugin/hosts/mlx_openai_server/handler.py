@@ -14,8 +14,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from kvplugin.hosts.base import PatchRegistry, require, require_attrs, wraps_original
-from kvplugin.log import say
+from kvplugin.hosts.base import (PatchRegistry, require, require_attrs, shaping_make_prompt_cache,
+                                 wraps_original)
 
 __all__ = ["install_child"]
 
@@ -99,18 +99,13 @@ def install_child(adapter: Any, patches: PatchRegistry) -> None:
 def _wrap_make_prompt_cache(adapter: Any, original: Callable) -> Callable:
     from kvplugin.hosts.mlx_openai_server.salt import fetch_salt, tag_cache
 
+    shaped = shaping_make_prompt_cache(adapter, original, "oai:make-cache-failed")
+
     @wraps_original(original)
     def make_prompt_cache(model: Any, *args: Any, **kwargs: Any) -> list:
-        cache = original(model, *args, **kwargs)
-        service = adapter.service
-        if service is None:  # before the handler's prompt cache exists (the model's probe)
-            return cache
-        try:
-            cache = service.make_cache(model, cache)
-        except Exception as exc:
-            say(f"could not shape a new cache ({type(exc).__name__}: {exc}); using "
-                "mlx-lm's", key="oai:make-cache-failed")
-        tag_cache(cache, fetch_salt())  # the single-request path inserts it on another thread
+        cache = shaped(model, *args, **kwargs)
+        if adapter.service is not None:  # the single-request path inserts on another thread
+            tag_cache(cache, fetch_salt())
         return cache
 
     return make_prompt_cache
