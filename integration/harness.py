@@ -350,3 +350,26 @@ def plugin_on_path(where: Any, name: str, source: str) -> dict[str, str]:
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kvp-{name}\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(f"[kvplugin]\n{name} = {module}\n")
     return {"PYTHONPATH": str(where)}
+
+
+def check_salt_crosses_redis(one: ServerProcess, two: ServerProcess, redis_server: Any,
+                             ask: Callable, system: str, salt_a: str, salt_b: str) -> None:
+    """A prefix ``one`` published under ``salt_a`` is a miss for ``two`` under ``salt_b`` (the
+    tier not even asked) and a hit under ``salt_a``; no salt appears in clear in Redis.
+    ``ask(srv, system, question, salt)`` returns the response."""
+    from kvplugin.cache.tiers.remote_keys import PREFIX
+
+    puts = one.get("/kvplugin/stats")["remote_puts"]
+    ask(one, system, "Describe the morning mist.", salt_a)
+    wait_published(one, puts + 1)
+    before = two.get("/kvplugin/stats")
+    miss = ask(two, system, "Where is the market?", salt_b)
+    assert cached_tokens(miss) == 0, miss["usage"]
+    mid = two.get("/kvplugin/stats")
+    assert mid["remote_hits"] == before["remote_hits"], mid
+    hit = ask(two, system, "Where is the market?", salt_a)
+    assert cached_tokens(hit) >= hit["usage"]["prompt_tokens"] // 2, hit["usage"]
+    assert two.get("/kvplugin/stats")["remote_hits"] == mid["remote_hits"] + 1
+    keys = [k.decode() for k in redis_server.client().keys(PREFIX + ":*")]
+    assert keys and not any(salt_a in k or salt_b in k for k in keys)  # hashed, never in clear
+

@@ -15,7 +15,6 @@ import time
 import harness
 import pytest
 
-from kvplugin.cache.tiers.remote_keys import PREFIX
 from harness import answer_text, cached_tokens
 
 MAX_TOKENS = 4
@@ -60,20 +59,8 @@ def test_two_salts_never_share_a_prefix_and_no_salt_reuses_as_before(replicas, s
 
 def test_a_salted_prefix_crosses_redis_for_its_salt_only(replicas, redis_server):
     one, two = replicas
-    system = harness.briefing(42)
-    puts = one.get("/kvplugin/stats")["remote_puts"]
-    _ask(one, system, "Describe the morning mist.", SALT_A)
-    harness.wait_published(one, puts + 1)
-    before = two.get("/kvplugin/stats")
-    miss = _ask(two, system, "Where is the market?", SALT_B)
-    assert cached_tokens(miss) == 0, miss["usage"]
-    mid = two.get("/kvplugin/stats")
-    assert mid["remote_hits"] == before["remote_hits"], mid
-    hit = _ask(two, system, "Where is the market?", SALT_A)
-    assert cached_tokens(hit) >= hit["usage"]["prompt_tokens"] // 2, hit["usage"]
-    assert two.get("/kvplugin/stats")["remote_hits"] == mid["remote_hits"] + 1
-    keys = [k.decode() for k in redis_server.client().keys(PREFIX + ":*")]
-    assert keys and not any(SALT_A in k or SALT_B in k for k in keys)  # hashed, never in clear
+    harness.check_salt_crosses_redis(one, two, redis_server, _ask, harness.briefing(42),
+                                     SALT_A, SALT_B)
 
 
 def test_a_request_without_a_salt_is_refused_where_one_is_required(replicas):

@@ -18,7 +18,6 @@ import harness
 import pytest
 from harness import answer_text, cached_tokens, mlx_openai_server_cmd
 
-from kvplugin.cache.tiers.remote_keys import PREFIX
 from kvplugin.tools.client import stream_chat
 
 MAX_TOKENS = 4
@@ -96,20 +95,8 @@ def test_the_single_request_path_keeps_salts_apart(start_server):
 
 def test_a_salted_prefix_crosses_redis_for_its_salt_only(replicas, redis_server):
     one, two = replicas
-    system = harness.briefing(51)
-    puts = one.get("/kvplugin/stats")["remote_puts"]
-    _ask(one, system, "Describe the morning mist.", SALT_A)
-    harness.wait_published(one, puts + 1)
-    before = two.get("/kvplugin/stats")
-    miss = _ask(two, system, "Where is the market?", SALT_B)
-    assert cached_tokens(miss) == 0, miss["usage"]
-    mid = two.get("/kvplugin/stats")
-    assert mid["remote_hits"] == before["remote_hits"], mid
-    hit = _ask(two, system, "Where is the market?", SALT_A)
-    assert cached_tokens(hit) >= hit["usage"]["prompt_tokens"] // 2, hit["usage"]
-    assert two.get("/kvplugin/stats")["remote_hits"] == mid["remote_hits"] + 1
-    keys = [k.decode() for k in redis_server.client().keys(PREFIX + ":*")]
-    assert keys and not any(SALT_A in k or SALT_B in k for k in keys)  # hashed, never in clear
+    harness.check_salt_crosses_redis(one, two, redis_server, _ask, harness.briefing(51),
+                                     SALT_A, SALT_B)
     assert "could not be matched" not in two.log_text()
 
 
