@@ -171,8 +171,8 @@ class KVPluginSettings(BaseSettings):
     )
     kv_cache_prerope_keys: bool = Field(
         True,
-        description="With quantization on, rotated-channel keys (the 4-bit default) of sliding-window "
-        "and --max-kv-size layers are stored with the model's RoPE taken out at each "
+        description="With quantization on, rotated-channel keys (the 4-bit default) of an entry with "
+        "sliding-window or --max-kv-size layers (all its layers) are stored with the model's RoPE taken out at each "
         "token's position and put back on restore, where kvplugin knows the layer's RoPE; "
         "off: stored as the model made them.",
     )

@@ -232,3 +232,14 @@ def test_the_setting_names_its_flag_and_env_and_takes_documented_words_only():
     assert (info.flag, info.env) == ("--kv-cache-prerope-keys", "KVPLUGIN_KV_CACHE_PREROPE_KEYS")
     with pytest.raises((SettingsError, ValueError), match="kv.cache.prerope.keys|KV_CACHE_PREROPE"):
         resolve_settings({"kv_cache_prerope_keys": "maybe"})
+
+
+def test_an_entry_with_a_window_takes_every_layer_pre_rope_and_a_plain_one_none():
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    from kvplugin.cache.codec.prerope import window_ropes
+
+    ropes = ("rope-a", "rope-b")
+    assert window_ropes([RotatingKVCache(max_size=8), KVCache()], ropes) == ropes
+    assert window_ropes([KVCache(), KVCache()], ropes) is None
+    assert window_ropes([RotatingKVCache(max_size=8)], ropes) is None  # layers do not match

@@ -103,17 +103,18 @@ def turn_numpy(x: np.ndarray, rope: KeyRope, runs: Runs) -> np.ndarray:
 
 
 def window_ropes(cache: list, key_ropes: Any) -> tuple | None:
-    """``key_ropes`` kept for the entry's rotating layers (sliding windows, ``--max-kv-size``)
-    only, None for its plain ones: what a server stores pre-RoPE. Why not plain layers: with
-    their keys pre-RoPE a real chat's answers left stock's at near ties where post-RoPE keys
-    kept them (docs/benchmarks.md, "Pre-RoPE keys")."""
+    """``key_ropes`` for an entry with a rotating layer (sliding windows, ``--max-kv-size``),
+    every layer of it; None for an entry of plain layers only. Why the line is there: on a
+    windowed model pre-RoPE keys on its global layers too measured best, while an all-plain
+    model's real chat left stock's answers at near ties with them (docs/benchmarks.md,
+    "Pre-RoPE keys")."""
     from mlx_lm.models.cache import RotatingKVCache
 
     if key_ropes is None or len(key_ropes) != len(cache):
         return None
-    kept = tuple(rope if isinstance(layer, RotatingKVCache) else None
-                 for rope, layer in zip(key_ropes, cache))
-    return kept if any(kept) else None
+    if not any(isinstance(layer, RotatingKVCache) for layer in cache):
+        return None
+    return tuple(key_ropes) if any(key_ropes) else None
 
 
 def recorded_rope(layer: Any, codec: str) -> KeyRope | None:
