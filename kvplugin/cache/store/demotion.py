@@ -60,7 +60,7 @@ class Demotion:
         self._idle.set()
         self._worker: threading.Thread | None = None
         self._stopping = False
-        self._last_price = 0  # the last stored entry's bytes, demoted: the room the worker keeps
+        self._last = (0, False)  # the last stored entry's (bytes, demotable): the room kept
         self._ratio = 1.0  # quantized / full-precision bytes of the last demotion
         self._c.update(dict.fromkeys(DEMOTION_COUNTERS, 0))
 
@@ -69,15 +69,16 @@ class Demotion:
         entry.demotable = self.demote is not None and all(
             layer_bits(layer) is None for layer in entry.cache)
         if inserted:
-            self._last_price = entry.nbytes - self._pending(entry)
+            self._last = (entry.nbytes, entry.demotable)
 
     def _pending(self, entry: Any) -> int:
         """Under the lock: the bytes ``entry``'s demotion is expected to take off it."""
-        return int(entry.nbytes * (1.0 - self._ratio)) if entry.demotable else 0
+        return _saving(entry.nbytes, entry.demotable, self._ratio)
 
     def _high_water(self) -> float:
         """Under the lock: the bytes above which the worker demotes ahead of need."""
-        return max(0.0, min(HIGH_WATER * self.max_bytes, self.max_bytes - self._last_price))
+        room = self._last[0] - _saving(*self._last, self._ratio)
+        return max(0.0, min(HIGH_WATER * self.max_bytes, self.max_bytes - room))
 
     def _count_hit_precision(self, entry: Any) -> None:
         """Under the lock: a hot hit, by the precision it was served from."""
@@ -184,6 +185,10 @@ class Demotion:
         worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=30)
+
+
+def _saving(nbytes: int, demotable: bool, ratio: float) -> int:
+    return int(nbytes * (1.0 - ratio)) if demotable else 0
 
 
 def _swap(entry: Any, cache: list) -> None:
