@@ -60,7 +60,7 @@ class Demotion:
         self._idle.set()
         self._worker: threading.Thread | None = None
         self._stopping = False
-        self._last = (0, False)  # the last stored entry's (bytes, demotable): the room kept
+        self._last_price = 0  # the last stored entry's bytes: the room the worker keeps
         self._ratio = 1.0  # quantized / full-precision bytes of the last demotion
         self._c.update(dict.fromkeys(DEMOTION_COUNTERS, 0))
 
@@ -69,16 +69,17 @@ class Demotion:
         entry.demotable = self.demote is not None and all(
             layer_bits(layer) is None for layer in entry.cache)
         if inserted:
-            self._last = (entry.nbytes, entry.demotable)
+            self._last_price = entry.nbytes
 
     def _pending(self, entry: Any) -> int:
         """Under the lock: the bytes ``entry``'s demotion is expected to take off it."""
-        return _saving(entry.nbytes, entry.demotable, self._ratio)
+        return int(entry.nbytes * (1.0 - self._ratio)) if entry.demotable else 0
 
     def _high_water(self) -> float:
-        """Under the lock: the bytes above which the worker demotes ahead of need."""
-        room = self._last[0] - _saving(*self._last, self._ratio)
-        return max(0.0, min(HIGH_WATER * self.max_bytes, self.max_bytes - room))
+        """Under the lock: the bytes above which the worker demotes ahead of need: room for the
+        next request's cache at full precision, as its insert lands and as a batched host's
+        admission counts its live cache against the budget."""
+        return max(0.0, min(HIGH_WATER * self.max_bytes, self.max_bytes - self._last_price))
 
     def _count_hit_precision(self, entry: Any) -> None:
         """Under the lock: a hot hit, by the precision it was served from."""
@@ -185,10 +186,6 @@ class Demotion:
         worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=30)
-
-
-def _saving(nbytes: int, demotable: bool, ratio: float) -> int:
-    return int(nbytes * (1.0 - ratio)) if demotable else 0
 
 
 def _swap(entry: Any, cache: list) -> None:
