@@ -2,8 +2,8 @@
 precision while the budget holds them and are demoted (quantized in place) when it does not,
 before any is evicted. Five conversations whose fp16 entries overflow the budget but fit it
 quantized at 4 bits: the server demotes (``/kvplugin/stats``, ``/metrics``), a hit on a
-full-precision entry answers as stock does (``always`` answers with the codec's), and it keeps at least the
-conversations ``always`` keeps."""
+full-precision entry answers as stock does (``always`` answers with the codec's), and it keeps
+at least the conversations ``always`` keeps."""
 
 from __future__ import annotations
 
