@@ -1,9 +1,9 @@
 """``--kv-cache-quantization-policy pressure`` on a real mlx_lm.server: entries stay at full
 precision while the budget holds them and are demoted (quantized in place) when it does not,
 before any is evicted. Five conversations whose fp16 entries overflow the budget but fit it
-quantized: the server demotes (``/kvplugin/stats``, ``/metrics``), a hit on a full-precision
-entry answers as stock does (``always`` answers with the codec's), and it keeps at least the
-conversations ``always`` keeps."""
+quantized at 4 bits: the server demotes (``/kvplugin/stats``, ``/metrics``), a hit on a
+full-precision entry answers as stock does (``always`` answers with the codec's), and it keeps
+at least the conversations ``always`` keeps."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ import harness
 import pytest
 import pressure_workload as w
 
-BUDGET = 230_000  # bytes: 3 of these conversations' fp16 entries (~60 KB each), all 5 at 8 bits
-FP16_HOLDS = 3
-WORDS = 25
-QUANT = ("--kv-cache-quantization-bits", "8", "--kv-cache-min-quantize-tokens", "0",
+# bytes: 4 of these conversations' fp16 entries (~150 KB each), all 5 at 4 bits with room left
+# for the newest at full precision and the next request's cache (the worker keeps that room:
+# mlx-lm's batched path trims the store by the live cache at admission, which evicts)
+BUDGET = 700_000
+FP16_HOLDS = 4
+WORDS = 80
+QUANT = ("--kv-cache-quantization-bits", "4", "--kv-cache-min-quantize-tokens", "0",
          "--kv-cache-sink-tokens", "8")  # the chat template's first tokens stay exact
 COMMON = ("--prompt-cache-bytes", str(BUDGET), "--prompt-cache-size", "50")
 

@@ -147,8 +147,7 @@ def kvplugin_cache_event(event: str, tokens: int, nbytes: int, seconds: float) -
     """Observe one cache event as it happens: ``fetch`` (a hit: ``tokens`` reused),
     ``miss``, ``dequantize``, ``trim``, ``quantize``, ``store`` (``nbytes`` stored),
     ``evict``, ``spill`` (an entry the cold tier accepted: ``nbytes`` it held in memory),
-    ``demote`` / ``demote_inline`` (the pressure policy quantized a stored entry in place, on
-    its worker / in an inserting request's thread). ``seconds``: how long the event's codec
+    ``demote`` (the pressure policy's worker quantized a stored entry in place). ``seconds``: how long the event's codec
     work took (a demotion's; 0 where not measured). Results are ignored.
 
     Why: memory across a reuse is decided by what happens at these moments, so a tracer

@@ -44,8 +44,8 @@ COUNTERS = (
     ("pressure_evictions", "Stored entries evicted to admit a request.", "pressure_evictions"),
     ("demotions", "Stored entries quantized in place under --kv-cache-quantization-policy "
      "pressure, instead of being evicted.", "demotions"),
-    ("demotions_inline", "Demotions done in a request's thread (an insert or admission needed "
-     "the room at once), not ahead of need by the worker.", "demotions_inline"),
+    ("evictions_full", "Entries evicted at full precision under the pressure policy: an insert "
+     "or admission needed the room before the demotion worker had made it.", "evictions_full"),
     ("bytes_saved_by_demotion", "Bytes demotions took off stored entries (full precision - "
      "quantized).", "bytes_saved_by_demotion"),
     ("hits_full", "Hot hits served from a full-precision entry (a move, no restore).",
@@ -104,8 +104,6 @@ GAUGES = (
      "mlx_active_memory"),
     ("mlx_cache_bytes", "MLX buffer cache of the whole process (freed, not yet returned).",
      "mlx_cache_memory"),
-    ("demotion_wait_max_seconds", "The longest a request's thread spent demoting entries to "
-     "make room (waiting on the worker's pass included).", "demotion_wait_max_s"),
     ("remote_connected", "1 while the remote tier is reachable, 0 while it backs off (no "
      "sample: no remote tier).", "remote_connected"),
     ("remote_queued_bytes", "Bytes waiting to be written to the remote tier.",

@@ -160,8 +160,8 @@ class KVPluginSettings(BaseSettings):
     kv_cache_quantization_policy: str = Field(
         "always",
         description="When entries are quantized: always (as they are stored), or pressure "
-        "(stored at full precision; the least recently used are quantized in place when the "
-        "byte budget or --max-memory needs room, before any is evicted; docs/store.md).",
+        "(stored at full precision; a worker thread quantizes the least recently used in place "
+        "as the byte budget fills, before any is evicted; docs/store.md).",
         json_schema_extra={"allowed": "always, pressure"},
     )
     kv_cache_quantize_state: bool = Field(

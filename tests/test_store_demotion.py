@@ -1,5 +1,7 @@
-"""The pressure policy in the store: full-precision entries are quantized in place (demoted),
-least recently used first, before any is evicted; spills are quantized; hits are counted by
+"""The pressure policy in the store: full-precision entries are quantized in place (demoted) by
+the store's worker, least recently used first and the newest last, before any is evicted; a
+request's thread never runs the codec to make room, and the store holds no more than its budget
+beyond the newest entry's pending demotion; spills are quantized; hits are counted by
 precision; a fetch never waits for the codec.
 
 Real mlx-lm ``KVCache`` layers and the configured codec (8-bit affine: about 0.53x fp16), on a
@@ -11,12 +13,10 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
-import pytest
 from kvcaches import filled
 
 from kvplugin.cache.layers import entry_nbytes, layer_bits
 from kvplugin.cache.service.service import KVService
-from kvplugin.cache.store import demotion
 from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.plugins import create_plugin_manager
 from kvplugin.settings import resolve_settings
@@ -55,10 +55,17 @@ def precision(svc: KVService) -> dict[int, str]:
     return out
 
 
-@pytest.fixture
-def no_worker(monkeypatch):
-    """Only the inserting thread demotes (the high-water mark is the budget itself)."""
-    monkeypatch.setattr(demotion.Demotion, "_high_water", lambda self: self.max_bytes)
+def stored(svc: KVService, i: int, n: int = T) -> None:
+    """Store conversation ``i`` and let the worker finish what that woke it for."""
+    svc.insert("m", conv(i, n), filled(n))
+    assert svc.store.settle()
+
+
+def demotion_order(svc: KVService) -> list[int]:
+    """Record the conversations the worker demotes, in order (appended as it goes)."""
+    order: list[int] = []
+    svc.store.on_demote = lambda tokens, cache, seconds: order.append(tokens[0] // 1000)
+    return order
 
 
 def test_entries_are_stored_at_full_precision_while_they_fit():
@@ -68,61 +75,105 @@ def test_entries_are_stored_at_full_precision_while_they_fit():
     assert entry.nbytes == F and not entry.demoted
     assert all(layer_bits(layer) is None for layer in entry.cache)
     assert svc.stats()["entries_quantized"] == 0 and svc.stats()["demotions"] == 0
+    svc.close()
 
 
-def test_the_least_recently_used_is_demoted_before_anything_is_evicted(no_worker):
-    svc = service(int(2.8 * F))
+def test_the_least_recently_used_is_demoted_before_anything_is_evicted():
+    svc = service(int(3.2 * F))
     for i in (1, 2, 3):
-        svc.insert("m", conv(i), filled(T))
+        stored(svc, i)
     st = svc.stats()
-    assert precision(svc) == {1: "demoted", 2: "full", 3: "full"}
-    assert st["store_evictions"] == 0 and st["demotions"] == st["demotions_inline"] == 1
-    assert st["bytes_saved_by_demotion"] == F - svc.store.entries()[0].nbytes > 0.4 * F
-    assert svc.store.nbytes <= 2.8 * F and st["demotion_wait_max_s"] > 0
+    assert precision(svc) == {1: "demoted", 2: "demoted", 3: "full"}
+    assert st["store_evictions"] == 0 and st["demotions"] == 2 and st["evictions_full"] == 0
+    assert st["bytes_saved_by_demotion"] == 2 * (F - svc.store.entries()[0].nbytes) > 0.8 * F
+    assert svc.store.nbytes <= 3.2 * F
+    svc.close()
 
 
-def test_a_conversation_that_just_stored_its_turn_is_demoted_last(no_worker):
-    svc = service(int(2.8 * F))
-    svc.insert("m", conv(1), filled(T))
-    svc.insert("m", conv(2), filled(T))
+def test_a_conversation_that_just_stored_its_turn_is_demoted_last():
+    svc = service(int(3.2 * F))
+    order = demotion_order(svc)
+    stored(svc, 1)
+    stored(svc, 2)
     cache, n = svc.fetch("m", conv(1, T + 1))  # conversation 1's next turn: moved out
     assert n == T
     for c in cache:
         c.update_and_fetch(*(mx.zeros((1, 2, 1, 64), dtype=mx.float16),) * 2)
-    svc.insert("m", conv(1, T + 1), cache)  # given back, now the most recent
-    svc.insert("m", conv(3), filled(T))
-    assert precision(svc) == {2: "demoted", 1: "full", 3: "full"}
-
-
-def test_eviction_follows_only_when_every_entry_is_demoted(no_worker):
-    svc = service(int(1.2 * F))
-    svc.insert("m", conv(1), filled(T))
-    svc.insert("m", conv(2), filled(T))  # both demoted, the one just stored too: both kept
-    assert precision(svc) == {1: "demoted", 2: "demoted"}
-    assert svc.stats()["store_evictions"] == 0
-    svc.insert("m", conv(3), filled(T))
-    assert precision(svc) == {2: "demoted", 3: "demoted"}
-    assert svc.stats()["store_evictions"] == 1 and svc.stats()["demotions"] == 3
-
-
-def test_the_worker_demotes_ahead_of_need_leaving_the_newest_entry():
-    svc = service(int(2.2 * F))  # two entries: no room for a third like them
-    svc.insert("m", conv(1), filled(T))
-    svc.insert("m", conv(2), filled(T))
+    svc.insert("m", conv(1, T + 1), cache)  # given back, now the most recent but one
     assert svc.store.settle()
-    st = svc.stats()
-    assert precision(svc) == {1: "demoted", 2: "full"}
-    assert st["demotions"] == 1 and st["demotions_inline"] == 0
-    assert st["demotion_wait_s"] == 0  # no request thread waited
+    stored(svc, 3)
+    assert order == [2, 1]  # room for the next: the older conversation went first
+    assert precision(svc) == {2: "demoted", 1: "demoted", 3: "full"}
     svc.close()
 
 
-def test_hits_are_counted_by_precision_and_a_demoted_hit_is_restored(no_worker):
-    svc = service(int(1.6 * F))
+def test_eviction_follows_only_when_every_entry_is_demoted():
+    svc = service(int(1.2 * F))
+    stored(svc, 1)
+    stored(svc, 2)  # both demoted, the one just stored too: both kept
+    assert precision(svc) == {1: "demoted", 2: "demoted"}
+    assert svc.stats()["store_evictions"] == 0
+    stored(svc, 3)
+    assert precision(svc) == {2: "demoted", 3: "demoted"}
+    st = svc.stats()
+    assert st["store_evictions"] == 1 and st["demotions"] == 3 and st["evictions_full"] == 0
+    svc.close()
+
+
+def test_the_worker_demotes_ahead_of_need_the_newest_entry_only_when_it_must():
+    svc = service(int(2.6 * F))  # two entries: no room for a third like them
+    stored(svc, 1)
+    stored(svc, 2)
+    assert precision(svc) == {1: "demoted", 2: "full"}  # room for a third, once demoted
+    assert svc.stats()["demotions"] == 1
+    svc.close()
+
+
+def test_a_requests_thread_never_runs_the_codec_and_the_budget_holds():
+    """Conversations taking turns faster than the worker demotes: the inserting thread never
+    demotes; the store never holds more than its budget beyond the newest entry's pending
+    demotion, and no more than the budget once the worker is done."""
+    budget = int(3.2 * F)
+    svc = service(budget)
+    codec_threads: list[str] = []
+    demote = svc.store.demote
+    svc.store.demote = lambda *a: (codec_threads.append(threading.current_thread().name),
+                                   demote(*a))[1]
+    stored(svc, 1)
+    stored(svc, 2)
+    stored(svc, 3)  # the first demotion: the store learns the codec's ratio
+    ratio = svc.store.entries()[0].nbytes / F
+    for turn in range(2):
+        for i in range(1, 9):
+            svc.insert("m", conv(i, T + turn), filled(T + turn))  # no settle: the worker lags
+            newest = svc.store.entries()[-1]
+            pending = 0 if newest.demoted else newest.nbytes * (1 - ratio)
+            assert svc.store.nbytes <= budget + pending + 1
+    assert svc.store.settle()
+    assert svc.store.nbytes <= budget
+    assert codec_threads and set(codec_threads) == {"kvplugin-demote"}
+    assert svc.stats()["demotions"] >= 3
+    svc.close()
+
+
+def test_the_store_never_exceeds_its_budget_once_the_worker_keeps_up():
+    budget = int(3.2 * F)
+    svc = service(budget)
+    for turn in range(2):
+        for i in range(1, 7):
+            stored(svc, i, T + turn)
+            assert svc.store.nbytes <= budget
+    st = svc.stats()
+    assert st["evictions_full"] == 0 and st["demotions"] > 0
+    svc.close()
+
+
+def test_hits_are_counted_by_precision_and_a_demoted_hit_is_restored():
+    svc = service(int(2.6 * F))
     original = filled(T)
     want = [mx.array(c.keys[..., :T, :]) for c in original]
     svc.insert("m", conv(1), original)
-    svc.insert("m", conv(2), filled(T))
+    stored(svc, 2)
     assert precision(svc) == {1: "demoted", 2: "full"}
     full, n = svc.fetch("m", conv(2, T + 5))
     assert n == T and all(layer_bits(c) is None for c in full)
@@ -132,6 +183,7 @@ def test_hits_are_counted_by_precision_and_a_demoted_hit_is_restored(no_worker):
         assert mx.abs(c.keys[..., :T, :] - k).max().item() < 0.05  # 8-bit affine
     st = svc.stats()
     assert (st["hits_full"], st["hits_demoted"]) == (1, 1)
+    svc.close()
 
 
 def test_a_spill_writes_the_quantized_form(tmp_path):
@@ -140,20 +192,22 @@ def test_a_spill_writes_the_quantized_form(tmp_path):
     svc.insert("m", conv(1), filled(T))
     svc.insert("m", conv(2), filled(T))
     st = svc.stats()
-    assert st["store_spills"] == 1 and st["demotions"] == 0
+    assert st["store_spills"] == 1 and st["demotions"] == 0 and st["evictions_full"] == 1
     assert 0 < st["store_cold_bytes"] < 0.6 * F  # quantized on its way out
     cache, n = svc.fetch("m", conv(1, T + 1))
     assert n == T and all(layer_bits(c) is None for c in cache)  # restored as any hit
     svc.close()
 
 
-def test_admission_demotes_before_it_evicts(no_worker):
+def test_admission_evicts_at_once_without_running_the_codec():
     svc = service(10 * F)
     for i in (1, 2):
         svc.insert("m", conv(i), filled(T))
     svc.store.trim_to(n_bytes=int(1.6 * F))
-    assert precision(svc) == {1: "demoted", 2: "full"}
-    assert svc.stats()["store_evictions"] == 0
+    assert precision(svc) == {2: "full"}
+    st = svc.stats()
+    assert st["store_evictions"] == st["evictions_full"] == 1 and st["demotions"] == 0
+    svc.close()
 
 
 def test_a_fetch_never_waits_for_the_codec_and_a_moved_entry_is_not_swapped():
@@ -167,24 +221,22 @@ def test_a_fetch_never_waits_for_the_codec_and_a_moved_entry_is_not_swapped():
         return [layer for layer in cache]  # stands in for a codec: any list
 
     store = PromptStore(max_bytes=int(1.5 * F), demote=slow_demote)
-    store.insert("m", conv(1), trimmed(T))
-    inserting = threading.Thread(target=store.insert, args=("m", conv(2), trimmed(T)))
-    inserting.start()
+    store.insert("m", conv(1), trimmed(T))  # above the high-water mark: the worker starts
     assert started.wait(10)
     cache, n = store.fetch("m", conv(1, T + 1))  # answered while the codec is held
     assert n == T and cache is not None and entry_nbytes(cache) == F
     release.set()
-    inserting.join(10)
-    assert store.stats().demotions == 0 and [len(e.tokens) for e in store.entries()] == [T]
+    assert store.settle()
+    assert store.stats().demotions == 0 and store.entries() == []
+    store.close()
 
 
-def test_the_worker_keeps_room_for_the_next_entry_so_inserts_do_not_wait():
+def test_the_worker_keeps_room_for_the_next_entry_so_inserts_do_not_evict():
     svc = service(int(3.2 * F))
     for i in range(1, 5):  # the fourth fits only because the worker made room for it
-        svc.insert("m", conv(i), filled(T))
-        assert svc.store.settle()
+        stored(svc, i)
     st = svc.stats()
     assert st["store_evictions"] == 0 and len(svc.store) == 4
-    assert st["demotions"] == 3 and st["demotions_inline"] == 0  # all ahead of need
-    assert precision(svc) == {1: "demoted", 2: "demoted", 3: "demoted", 4: "full"}
+    assert st["demotions"] == 4  # all ahead of need, the newest last: room for a fifth
+    assert svc.store.nbytes + F <= 3.2 * F
     svc.close()

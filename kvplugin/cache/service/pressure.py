@@ -36,7 +36,7 @@ def store_demotion(service: Any) -> dict[str, Any]:
             service.release_memory()  # the codec's temporaries, as after a store's quantize
         return quantized
 
-    def on_demote(tokens: Sequence[int], cache: list, seconds: float, inline: bool) -> None:
-        service._event("demote_inline" if inline else "demote", len(tokens), cache, seconds)
+    def on_demote(tokens: Sequence[int], cache: list, seconds: float) -> None:
+        service._event("demote", len(tokens), cache, seconds)
 
     return {"demote": demote, "on_demote": on_demote}

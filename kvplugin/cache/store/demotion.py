@@ -6,9 +6,13 @@ quantize and a restore even when memory is plentiful. With the ``pressure`` poli
 stored at full precision, and only the bytes the budget cannot hold are bought back by the codec:
 least recently used first (the entry a conversation just stored last), ahead of need on a worker
 thread once the hot tier passes :data:`HIGH_WATER` of its budget or leaves no room for another
-entry like the last one (the newest entry it leaves alone), and in the inserting thread only for
-what an insert, or admission, still lacks. Eviction follows only when every candidate
-is demoted. The codec is the caller's ``demote`` callable: the store imports none.
+entry like the last one. A request's thread never runs the codec to make room: an insert evicts
+what the budget still lacks once the entry it stores is demoted in turn (its quantized size
+estimated from the last demotion), so the store holds more than its budget only by that
+entry's pending demotion, as ``always`` holds an entry beside its quantized copy while it
+stores it; admission evicts what it lacks at once. A full-precision entry evicted so is
+counted (``evictions_full``). The codec is the caller's ``demote`` callable: the store
+imports none.
 
 A fetch is never blocked behind the codec: the entry stays stored while its copy is quantized,
 and the quantized layers replace it only if it is still stored then (a hit in the meantime is a
@@ -31,17 +35,16 @@ log = logging.getLogger("kvplugin.cache")
 
 #: The share of the byte budget above which the worker thread demotes ahead of need; it also
 #: keeps room for one more entry as large as the last one stored, whichever asks more, so the
-#: next insert of an active conversation finds room without demoting in its own thread.
+#: next insert finds room without evicting.
 HIGH_WATER = 0.85
 
 #: ``demote(model_key, tokens, cache) -> quantized cache | None`` (None: keep it as it is). The
 #: cache list is the store's copy: the callable may consume it, not the layers' arrays.
 Demote = Callable[[Any, Sequence[int], list], "list | None"]
-#: ``on_demote(tokens, cache, seconds, inline)``: an entry was demoted, by the inserting thread
-#: (``inline``) or the worker, its codec taking ``seconds``.
-OnDemote = Callable[[Sequence[int], list, float, bool], None]
+#: ``on_demote(tokens, cache, seconds)``: the worker demoted an entry, its codec taking ``seconds``.
+OnDemote = Callable[[Sequence[int], list, float], None]
 
-DEMOTION_COUNTERS = ("demotions", "demotions_inline", "bytes_saved_by_demotion", "hits_full",
+DEMOTION_COUNTERS = ("demotions", "evictions_full", "bytes_saved_by_demotion", "hits_full",
                      "hits_demoted")
 
 
@@ -52,15 +55,14 @@ class Demotion:
     def _init_demotion(self, demote: Demote | None, on_demote: OnDemote | None) -> None:
         self.demote = demote
         self.on_demote = on_demote
-        self._demoting = threading.Lock()  # one codec pass at a time, worker or inline
         self._wake = threading.Event()
         self._idle = threading.Event()  # the worker has nothing left to do
         self._idle.set()
         self._worker: threading.Thread | None = None
         self._stopping = False
         self._last_price = 0  # the last stored entry's bytes: the room the worker keeps
+        self._ratio = 1.0  # quantized / full-precision bytes of the last demotion
         self._c.update(dict.fromkeys(DEMOTION_COUNTERS, 0))
-        self._c.update(demotion_wait_s=0.0, demotion_wait_max_s=0.0)
 
     def _new_entry_precision(self, entry: Any, *, inserted: bool = True) -> None:
         """Under the lock, as an entry is stored: whether it is a candidate for demotion."""
@@ -69,8 +71,14 @@ class Demotion:
         if inserted:
             self._last_price = entry.nbytes
 
+    def _pending(self, entry: Any) -> int:
+        """Under the lock: the bytes ``entry``'s demotion is expected to take off it."""
+        return int(entry.nbytes * (1.0 - self._ratio)) if entry.demotable else 0
+
     def _high_water(self) -> float:
-        """Under the lock: the bytes above which the worker demotes ahead of need."""
+        """Under the lock: the bytes above which the worker demotes ahead of need: room for the
+        next request's cache at full precision, as its insert lands and as a batched host's
+        admission counts its live cache against the budget."""
         return max(0.0, min(HIGH_WATER * self.max_bytes, self.max_bytes - self._last_price))
 
     def _count_hit_precision(self, entry: Any) -> None:
@@ -80,79 +88,50 @@ class Demotion:
         elif all(layer_bits(layer) is None for layer in entry.cache):
             self._c["hits_full"] += 1
 
-    def _candidate(self, keep: Any, spare: bool) -> Any:
-        """Under the lock: the least recently used demotable entry, ``keep`` only last (never,
-        with ``spare``: the worker leaves the newest entry to a request that needs its room)."""
-        for entry in self._index:
-            if entry.demotable and entry is not keep:
-                return entry
-        return keep if keep is not None and keep.demotable and not spare else None
-
-    def _demote_one(self, keep: Any = None, *, inline: bool) -> bool:
-        """Demote one candidate (False: none is left). The codec runs outside the store lock."""
-        with self._demoting:
-            with self._lock:
-                if not inline:  # the worker: the newest entry stays at full precision
-                    keep = next(reversed(self._index.values()), None)
-                entry = self._candidate(keep, spare=not inline)
-                if entry is None:
-                    return False
-                entry.demotable = False  # in flight: picked by no one else, and tried once
-                model_key, tokens, cache = entry.model_key, entry.tokens, list(entry.cache)
-            start = time.perf_counter()
-            try:
-                demoted = self.demote(model_key, tokens, cache)
-            except Exception:
-                log.exception("kvplugin: demoting an entry failed; it stays at full precision")
-                demoted = None
-            seconds = time.perf_counter() - start
-            cache = None
-            with self._lock:
-                if not demoted or self._index.get(model_key, tokens) is not entry:
-                    return True  # nothing to demote, or a hit moved it out meanwhile
-                before, first = entry.nbytes, id(entry.cache[0])
-                self._index.reprice(entry, lambda e: _swap(e, demoted))
-                if self._owner.get(first) is entry:
-                    del self._owner[first]
-                self._owner[id(demoted[0])] = entry
-                self._c["demotions"] += 1
-                self._c["demotions_inline"] += int(inline)
-                self._c["bytes_saved_by_demotion"] += before - entry.nbytes
+    def _demote_one(self) -> bool:
+        """On the worker: demote the least recently used candidate, the newest entry last
+        (False: none is left). The codec runs outside the store lock."""
+        with self._lock:
+            entry = next((e for e in self._index if e.demotable), None)
+            if entry is None:
+                return False
+            entry.demotable = False  # in flight: tried once
+            model_key, tokens, cache = entry.model_key, entry.tokens, list(entry.cache)
+        start = time.perf_counter()
+        try:
+            demoted = self.demote(model_key, tokens, cache)
+        except Exception:
+            log.exception("kvplugin: demoting an entry failed; it stays at full precision")
+            demoted = None
+        seconds = time.perf_counter() - start
+        cache = None
+        with self._lock:
+            if not demoted or self._index.get(model_key, tokens) is not entry:
+                return True  # nothing to demote, or a hit or an eviction took it meanwhile
+            before, first = entry.nbytes, id(entry.cache[0])
+            self._index.reprice(entry, lambda e: _swap(e, demoted))
+            if self._owner.get(first) is entry:
+                del self._owner[first]
+            self._owner[id(demoted[0])] = entry
+            self._c["demotions"] += 1
+            self._c["bytes_saved_by_demotion"] += before - entry.nbytes
+            self._ratio = entry.nbytes / before
         if self.on_demote is not None:
             try:
-                self.on_demote(tokens, demoted, seconds, inline)
+                self.on_demote(tokens, demoted, seconds)
             except Exception:
                 log.exception("kvplugin: on_demote hook failed")
         return True
 
-    def _demote_to(self, n_bytes: int, keep: Any = None) -> None:
-        """Outside the lock: demote until the hot tier holds at most ``n_bytes`` or no
-        candidate is left; the time this thread spent (waits on the worker included) counted."""
-        if self.demote is None or n_bytes <= 0:
-            return
-        start = None
-        while True:
-            with self._lock:
-                if self._index.nbytes <= n_bytes:
-                    break
-            start = start if start is not None else time.perf_counter()
-            if not self._demote_one(keep, inline=True):
-                break
-        if start is not None:
-            waited = time.perf_counter() - start
-            with self._lock:
-                self._c["demotion_wait_s"] += waited
-                self._c["demotion_wait_max_s"] = max(self._c["demotion_wait_max_s"], waited)
-
     def _make_room(self, n_bytes: int, n_entries: int | None, keep: Any = None) -> list:
-        """Outside the lock: demote, then evict what still does not fit (returned, to dispose
-        of); then wake the worker if the hot tier is above the high-water mark."""
-        self._demote_to(n_bytes, keep)
-        with self._lock:
-            evicted = self._evict_until(n_bytes, 1 << 62 if n_entries is None else n_entries,
-                                        keep=keep)
-            high = self.demote is not None and self._index.nbytes > self._high_water()
-        if high:
+        """Under the lock: evict what does not fit once ``keep`` (the entry an insert stores)
+        is demoted (returned, to dispose of outside it), then wake the worker if the hot tier
+        is above the high-water mark."""
+        allowance = self._pending(keep) if keep is not None else 0
+        evicted = self._evict_until(n_bytes + allowance,
+                                    1 << 62 if n_entries is None else n_entries, keep=keep)
+        self._c["evictions_full"] += sum(1 for e in evicted if e.demotable)
+        if self.demote is not None and self._index.nbytes > self._high_water():
             self._nudge()
         return evicted
 
@@ -187,7 +166,7 @@ class Demotion:
             while not self._stopping:
                 with self._lock:
                     high = self._index.nbytes > self._high_water()
-                if not high or not self._demote_one(inline=False):
+                if not high or not self._demote_one():
                     break
             with self._lock:
                 if not self._wake.is_set():

@@ -14,8 +14,8 @@ In short (the whole specification is ``docs/store.md``):
 * ``insert`` takes ownership; a longer entry supersedes a shorter one only if it can give every
   prefix that one could;
 * evictions go to ``on_evict`` and then to the cold tier, outside the store's lock; with a
-  ``demote`` callable (the pressure policy) full-precision entries are quantized in place first
-  (:mod:`kvplugin.cache.store.demotion`);
+  ``demote`` callable (the pressure policy) a worker quantizes full-precision entries in place
+  ahead of need (:mod:`kvplugin.cache.store.demotion`);
 * the cold tier is any :class:`kvplugin.types.ColdTier`; this module never imports one.
 """
 
@@ -293,9 +293,10 @@ class PromptStore(Demotion):
                                 and _serves_all_of(cache, prev.cache)):
                             self._c["superseded"] += 1
                             self._remove(prev)
+                evicted = self._make_room(self.max_bytes, self.max_entries, keep=entry)
         held = old = prev = None  # let go of every other entry before the memory is released
         if hot:
-            self._dispose(self._make_room(self.max_bytes, self.max_entries, keep=entry))
+            self._dispose(evicted)
             return True
         ok = self.cold is not None and self._cold_put(
             model_key, key, self._spill_form(model_key, key, cache, self.demote is not None))
@@ -460,8 +461,10 @@ class PromptStore(Demotion):
         """Evict LRU hot entries until ``nbytes <= n_bytes`` and ``len <= n_entries``
         (None: no limit on that axis).  Evicted entries go through ``on_evict`` and
         spill like any eviction."""
-        self._dispose(self._make_room(max(0, n_bytes) if n_bytes is not None else 1 << 62,
-                                      max(0, n_entries) if n_entries is not None else None))
+        with self._lock:
+            evicted = self._make_room(max(0, n_bytes) if n_bytes is not None else 1 << 62,
+                                      max(0, n_entries) if n_entries is not None else None)
+        self._dispose(evicted)
 
     def flush(self) -> bool:
         """Spill every hot entry to the cold tier (shut-down). True if one was written."""

@@ -11,12 +11,15 @@ quantization policies, ``always`` and ``pressure``, at the same bits:
 * **under pressure**: a budget of ``N`` fp16 entries and ``3N`` conversations taking turns
   (every first turn, then every second turn in the same order): the conversations kept (second
   turns that reused their first turn's prompt), the process's VmHWM and MLX peak, the
-  demotions, and the longest a request's thread waited on demotion (``demotion_wait_max_s``).
+  demotions (all on the store's worker: a request's thread never runs the codec to make room)
+  and the entries evicted at full precision because the worker had not reached them
+  (``evictions_full``).
   The pressure server's resident memory is sampled over the run (``pressure-memory.json``, and
   a PNG with ``kvplugin[bench]``).
 
 Every time is the client's clock on a streamed request. The model is the real
-SmolLM2-135M-Instruct (float32, OpenBLAS preloaded on Linux for every server) unless ``--tiny``.
+SmolLM2-135M-Instruct (float32, OpenBLAS preloaded on Linux for every server), or the KV-heavy
+llama (``--model kv-heavy``), or the tiny one (``--tiny``).
 """
 
 from __future__ import annotations
@@ -144,8 +147,7 @@ def under_pressure(start: Callable[..., Any], systems: list[str], budget: int,
             "conversations": len(systems), "kept": kept, "reused_tokens": reused,
             "vmhwm_bytes": _status(srv.pid, "VmHWM"),
             "mlx_peak_bytes": stats.get("mlx_peak_memory"),
-            "demotions": stats.get("demotions"), "demotions_inline": stats.get("demotions_inline"),
-            "demotion_wait_max_s": stats.get("demotion_wait_max_s"),
+            "demotions": stats.get("demotions"), "evictions_full": stats.get("evictions_full"),
             "evictions": stats.get("store_evictions"), "store_bytes": stats.get("store_bytes"),
         }
         if sampler is not None:
@@ -159,16 +161,14 @@ def table(res: dict) -> str:
     ms = lambda s: "-" if s is None else f"{1000 * s:.0f} ms"  # noqa: E731
     mib = lambda b: "-" if not b else f"{b / 2**20:.1f} MiB"  # noqa: E731
     out = [f"{'policy':<9} {'warm TTFT':>10} {'vs stock':>8} {'kept':>7} {'VmHWM':>10} "
-           f"{'MLX peak':>10} {'demotions':>9} {'inline':>6} {'longest wait':>12}"]
+           f"{'MLX peak':>10} {'demotions':>9} {'evicted at full precision':>25}"]
     for p in POLICIES:
         r, t = room[p], tight[p]
-        wait = t["demotion_wait_max_s"]
         out.append(
             f"{p:<9} {ms(r['warm_ttft_s']):>10} {r['warm_ttft_s'] / room['stock']['warm_ttft_s']:>7.2f}x "
             f"{t['kept']:>3}/{t['conversations']:<3} {mib(t['vmhwm_bytes']):>10} "
             f"{mib(t['mlx_peak_bytes']):>10} {t['demotions'] if t['demotions'] is not None else '-':>9} "
-            f"{t['demotions_inline'] if t['demotions_inline'] is not None else '-':>6} "
-            f"{'-' if wait is None else f'{1000 * wait:.1f} ms':>12}")
+            f"{t['evictions_full'] if t['evictions_full'] is not None else '-':>25}")
     return "\n".join(out)
 
 
@@ -194,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--pressure", action="store_true", help="(selects this bench)")
     p.add_argument("--tiny", action="store_true", help="the tiny offline model (seconds)")
+    p.add_argument("--model", choices=("smollm2", "kv-heavy"), default="smollm2",
+                   help="the real model (default smollm2; kv-heavy: the KV-heavy llama)")
     p.add_argument("--bits", type=int, default=4, help="quantization bits (default 4)")
     p.add_argument("--prefix-tokens", type=int, default=512,
                    help="system prompt of every conversation, in tokens (default 512)")
@@ -222,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvplugin.tools.models.tiny import build_tiny_model
 
             model, name = build_tiny_model(Path(tmp) / "model"), "tiny random llama"
+        elif args.model == "kv-heavy":
+            from kvplugin.tools.models.kv_heavy import build_kv_heavy_model
+
+            model, name = build_kv_heavy_model(), "KV-heavy llama (float32)"
         else:
             from kvplugin.tools.models.smollm2 import build_smollm2
 
