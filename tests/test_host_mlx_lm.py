@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.service.service import KVService
 from kvplugin import plugins
+from kvplugin.hosts.base import shaping_make_prompt_cache
 from kvplugin.hosts import mlx_lm as host
 from kvplugin.hosts.mlx_lm.adapter import _StartupError
 from kvplugin.settings import resolve_settings
@@ -320,7 +321,7 @@ def test_key_for_cache_aligns_key_and_cache():
 def test_make_prompt_cache_wrapper(adapter):
     model = _tiny_llama()
     original = cache_mod.make_prompt_cache
-    wrapped = adapter._wrap_make_prompt_cache(original)
+    wrapped = shaping_make_prompt_cache(adapter, original, "test")
     assert [type(c) for c in wrapped(model)] == [KVCache, KVCache]  # no service: stock
     adapter._cache_mod = cache_mod
     adapter.settings = _settings(max_kv_size=32)
@@ -337,8 +338,8 @@ def test_the_service_says_which_layers_cannot_be_bounded(adapter, capsys):
 
     log.forget()
     model = types.SimpleNamespace()
-    wrapped = adapter._wrap_make_prompt_cache(
-        lambda model: [cache_mod.ChunkedKVCache(8), RotatingKVCache(16)])
+    wrapped = shaping_make_prompt_cache(
+        adapter, lambda model: [cache_mod.ChunkedKVCache(8), RotatingKVCache(16)], "test")
     adapter._cache_mod = cache_mod
     adapter.settings = _settings(max_kv_size=16)
     adapter.create_service(max_bytes=None, max_entries=None)
