@@ -30,7 +30,7 @@ def store_demotion(service: Any) -> dict[str, Any]:
         quantized = service.hook.kvplugin_quantize_entry(
             cache=cache, num_tokens=len(tokens), settings=settings,
             prompt_boundaries=service._recent_prompts.boundaries(model_key, tokens),
-            stored_prefix=None,
+            stored_prefix=None, key_ropes=service.key_ropes,
         )
         if quantized is not None:
             service.release_memory()  # the codec's temporaries, as after a store's quantize

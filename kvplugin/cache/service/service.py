@@ -255,9 +255,11 @@ class KVService(Holdings, Persistence, Reporting):
         """
         if prompt_len is None:
             prompt_len = self._recent_prompts.prompt_len(model_key, tokens)
-        # Evaluated in the thread whose streams built it: a spill, a demotion or a shut-down
-        # flush on another thread cannot evaluate a graph made on this one's streams.
-        mx.eval(entry_arrays(entry))
+        # Where another thread may take it (a cold tier's spill or shut-down flush, the demotion
+        # worker), evaluated here: MLX cannot run a graph made on this thread's streams there.
+        # Otherwise left lazy, so its copy is made when the host's live cache has gone.
+        if self.store.cold is not None or self.store.demote is not None:
+            mx.eval(entry_arrays(entry))
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
         if stored:
             self._event("store", len(tokens), entry)
