@@ -256,9 +256,10 @@ class KVService(Holdings, Persistence, Reporting):
         if prompt_len is None:
             prompt_len = self._recent_prompts.prompt_len(model_key, tokens)
         # Where another thread may take it (a cold tier's spill or shut-down flush, the demotion
-        # worker), evaluated here: MLX cannot run a graph made on this thread's streams there.
-        # Otherwise left lazy, so its copy is made when the host's live cache has gone.
-        if self.store.cold is not None or self.store.demote is not None:
+        # worker, a host that serves it elsewhere), evaluated here: MLX cannot run a graph made
+        # on this thread's streams there. Otherwise lazy: its copy is made once the live cache
+        # has gone.
+        if self.evaluate_at_store or self.store.cold is not None or self.store.demote is not None:
             mx.eval(entry_arrays(entry))
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
         if stored:
@@ -408,6 +409,8 @@ class KVService(Holdings, Persistence, Reporting):
     #: Each cache layer's key rope of the model the host loaded last (:meth:`learn_model`,
     #: :mod:`kvplugin.cache.model.rope`); None: unknown, keys stored as the model made them
     key_ropes: tuple | None = None
+    #: a host whose entries are served on another thread than the one that stored them
+    evaluate_at_store: bool = False
 
     def dequantize(self, cache: list) -> list:
         """The entry as the host runs it: dequantized, except layers already quantized the

@@ -123,6 +123,9 @@ class MlxOpenaiServerAdapter(HostAdapter, declaration=MLX_OPENAI_SERVER):
                 else int(max_bytes), max_entries=max_entries)
         except SettingsError as err:
             fail_start(str(err), hard=True)
+        # Its single-request path serves a stored entry on another thread than the one that
+        # built it: entries are evaluated when stored.
+        service.evaluate_at_store = True
         with self._state_lock:
             self.settings = settings
             self.service = service
