@@ -66,3 +66,16 @@ def preload_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     current = (env if env is not None else os.environ).get("LD_PRELOAD", "")
     parts = [str(path), *(p for p in current.split(":") if p and p != str(path))]
     return {"LD_PRELOAD": ":".join(parts)}
+
+
+def rerun_preloaded(module: str, argv: list[str] | None) -> int | None:
+    """On Linux without OpenBLAS preloaded, run ``python -m module argv`` again with it (the
+    preload must be in place before MLX loads) and return its exit code; None: already
+    preloaded, or not Linux, so the caller goes on."""
+    if not sys.platform.startswith("linux") or "openblas" in os.environ.get("LD_PRELOAD", ""):
+        return None
+    import subprocess
+
+    cmd = [sys.executable, "-m", module, *(sys.argv[1:] if argv is None else argv)]
+    return subprocess.call(cmd, env={**os.environ, **preload_env()})
+

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -207,13 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="mlx-lm's serving path (seeded requests: sequential; default)")
     p.add_argument("--out", type=Path, default=Path("bench-results/pressure"))
     args = p.parse_args(argv)
-    if not args.tiny and sys.platform.startswith("linux") and "openblas" not in os.environ.get(
-            "LD_PRELOAD", ""):
+    if not args.tiny:
         from kvplugin.tools import blas
 
-        env = blas.preload_env()  # OpenBLAS or a loud error naming the package
-        cmd = [sys.executable, "-m", "kvplugin.tools.bench.pressure", *(argv or sys.argv[1:])]
-        return subprocess.call(cmd, env={**os.environ, **env})
+        if (rc := blas.rerun_preloaded("kvplugin.tools.bench.pressure", argv)) is not None:
+            return rc
     from tokenizers import Tokenizer
 
     from kvplugin.tools.models import realtext

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -151,13 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench-results/remote"))
     args = p.parse_args(argv)
     env: dict[str, str] = {}
-    if not args.tiny and sys.platform.startswith("linux") and "openblas" not in os.environ.get(
-            "LD_PRELOAD", ""):
+    if not args.tiny:
         from kvplugin.tools import blas
 
-        env = blas.preload_env()  # OpenBLAS or a loud error naming the package
-        cmd = [sys.executable, "-m", "kvplugin.tools.bench.remote", *(argv or sys.argv[1:])]
-        return subprocess.call(cmd, env={**os.environ, **env})
+        if (rc := blas.rerun_preloaded("kvplugin.tools.bench.remote", argv)) is not None:
+            return rc
     from kvplugin.tools.models import realtext
 
     words = " ".join(realtext.paragraphs()).split()
