@@ -8,6 +8,8 @@ pickle there, ever.
 
 from __future__ import annotations
 
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import harness
@@ -121,11 +123,32 @@ def test_the_single_request_path_answers_as_stock_and_reuses_at_least_as_much(st
     assert srv.get("/kvplugin/stats")["store_hits"] >= 1
 
 
-def test_max_bytes_is_the_stores_budget(start_server):
+def test_entries_are_files_as_stock_and_max_bytes_bounds_them(start_server, tmp_path):
+    """Stock holds no entry in memory; neither does kvplugin by default: its entries are
+    checked files, bounded by ``--max-bytes``, in a private directory removed at shut-down."""
     budget = 100_000  # two or three of these short conversations' entries
-    srv = start_server(mlx_openai_server_cmd, "--max-bytes", str(budget))
+    srv = start_server(mlx_openai_server_cmd, "--max-bytes", str(budget),
+                       env={"TMPDIR": str(tmp_path)})
+    for text in (*TURNS, *OTHER):
+        conversation(srv, (text,), max_tokens=4)
+    again = conversation(srv, (OTHER[0], OTHER[1]), max_tokens=4)  # the last one stored
+    stats = srv.get("/kvplugin/stats")
+    assert stats["store_bytes"] == 0 and stats["store_entries"] == 0, stats
+    assert 0 < stats["cold_disk_bytes"] <= budget, stats
+    assert stats["cold_evictions"] >= 1 and stats["store_cold_hits"] >= 1, stats
+    assert again[-1][1] > 0, again
+    tiers = list(tmp_path.glob("kvplugin-oai-prompt-cache-*"))
+    assert len(tiers) == 1 and any(tiers[0].rglob("*.safetensors")), tiers
+    os.killpg(srv.pid, signal.SIGINT)  # a user's Ctrl-C: the host's orderly shut-down
+    srv.proc.wait(timeout=60)
+    assert not tiers[0].exists(), "the private directory outlived the server"
+
+
+def test_hot_cache_only_keeps_entries_in_memory_within_max_bytes(start_server):
+    budget = 100_000
+    srv = start_server(mlx_openai_server_cmd, "--max-bytes", str(budget), "--hot-cache-only")
     for text in (*TURNS, *OTHER):
         conversation(srv, (text,), max_tokens=4)
     stats = srv.get("/kvplugin/stats")
     assert 0 < stats["store_bytes"] <= budget, stats
-    assert stats["store_evictions"] >= 1, stats
+    assert stats["store_evictions"] >= 1 and stats["cold_tier"] is None, stats

@@ -103,7 +103,7 @@ class _Service:
 def test_source_tags_keep_the_two_paths_apart(monkeypatch):
     service = _Service()
     monkeypatch.setattr(KVPluginOaiPromptCache, "adapter", types.SimpleNamespace(
-        create_service=lambda **kw: service))
+        create_service=lambda **kw: (service, None)))
     monkeypatch.setattr("kvplugin.hosts.mlx_openai_server.prompt_cache.model_fingerprint",
                         lambda model: "fp")
     cache = KVPluginOaiPromptCache(max_size=4, max_bytes=1 << 63, cache_dir=None)

@@ -111,16 +111,18 @@ class MlxOpenaiServerAdapter(HostAdapter, declaration=MLX_OPENAI_SERVER):
 
     # -- settings and service (model process) --------------------------------------------
     def create_service(self, *, max_bytes: int | None, max_entries: int | None,
-                       cache_dir: Any = None) -> Any:
-        """The model process's service: the settings from the environment the server handed
-        down, the handler's ``--prompt-cache-dir`` as the SSD tier. A bad value stops it."""
-        from kvplugin.settings import SettingsError, resolve_settings
+                       cache_dir: Any = None) -> tuple[Any, Any]:
+        """The model process's service and the private directory of its entries (or None):
+        the settings from the environment the server handed down, entries kept where
+        :func:`where_entries_live` says. A bad value stops it."""
+        from kvplugin.hosts.mlx_openai_server.prompt_cache import where_entries_live
+        from kvplugin.settings import SettingsError
 
         try:
-            settings = resolve_settings({"ssd_cache_dir": cache_dir} if cache_dir else None)
-            service = self.make_session(
-                settings, max_bytes=None if max_bytes is None or max_bytes >= _NO_BUDGET
-                else int(max_bytes), max_entries=max_entries)
+            settings, budget, scratch = where_entries_live(
+                cache_dir, None if max_bytes is None or max_bytes >= _NO_BUDGET
+                else int(max_bytes))
+            service = self.make_session(settings, max_bytes=budget, max_entries=max_entries)
         except SettingsError as err:
             fail_start(str(err), hard=True)
         # Its single-request path serves a stored entry on another thread than the one that
@@ -132,7 +134,7 @@ class MlxOpenaiServerAdapter(HostAdapter, declaration=MLX_OPENAI_SERVER):
         for cls, step in service.batch_plan().steps.items():  # BatchGenerator's caches
             self.child_patches.replace(getattr(self._cache_mod, cls), "step", step)
         self.say_active(service)
-        return service
+        return service, scratch
 
     # -- uninstall ---------------------------------------------------------------------------
     def uninstall(self) -> None:

@@ -4,23 +4,54 @@ over the model process's :class:`~kvplugin.cache.service.service.KVService`.
 Why a class of the host's shape: ``MLXLMHandler`` builds ``LRUPromptCache(max_size=...,
 max_bytes=..., cache_dir=...)`` and its two paths call ``fetch_nearest_cache`` /
 ``insert_cache`` / ``trim_to`` on it; each call becomes one call of the service. Stock keeps
-nothing in memory and pickles every entry into ``cache_dir``; here entries live in the
-service's hot tier (trimmed, maybe quantized, moved out on a hit) and spill to its SSD tier
-(``cache_dir``) as checked safetensors files.
+nothing in memory and pickles every entry into ``cache_dir``; here every entry is trimmed,
+maybe quantized, and kept as a checked safetensors file by the service's SSD tier (in
+``cache_dir``, else a private temporary directory), consumed on a hit; under
+``--hot-cache-only`` entries stay in memory instead and are moved out on a hit.
 """
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 from kvplugin.cache.model.fingerprint import model_fingerprint
 from kvplugin.hosts.mlx_openai_server.salt import UNKNOWN, fetch_salt, insert_salt, tag_cache
 from kvplugin.log import say
 
-__all__ = ["KVPluginOaiPromptCache"]
+__all__ = ["KVPluginOaiPromptCache", "where_entries_live"]
 
 #: the host's path that runs without a batch; the batched path's entries are tagged "batch"
 NONBATCH = "nonbatch"
+
+
+def where_entries_live(cache_dir: Any, max_bytes: int | None,
+                       flags: Mapping[str, Any] | None = None) -> tuple[Any, int | None, Any]:
+    """The settings, the in-memory budget and the private directory (or None) of the
+    store that replaces stock's: as stock holds no entry in memory, entries are files.
+
+    Why: stock pickles every entry into ``--prompt-cache-dir`` (else a temporary directory)
+    and holds none in memory, so a store that held them would raise the process's peak
+    above stock's. Here they are files too, checked safetensors in the same place, bounded
+    by ``--max-bytes``; ``--hot-cache-only`` keeps them in memory instead (faster hits for
+    the memory they take), bounded by the same flag.
+    """
+    from kvplugin.settings import resolve_settings
+
+    given = dict(flags or {})
+    if cache_dir:
+        given["ssd_cache_dir"] = cache_dir
+    settings = resolve_settings(given or None)
+    if settings.hot_cache_only:
+        return settings, max_bytes, None
+    scratch = None
+    if settings.ssd_cache_dir is None:
+        scratch = tempfile.TemporaryDirectory(prefix="kvplugin-oai-prompt-cache-")
+        given["ssd_cache_dir"] = scratch.name
+    if max_bytes is not None:
+        given["ssd_cache_max_gb"] = max_bytes / 1e9
+    return resolve_settings(given), 0, scratch
 
 
 class KVPluginOaiPromptCache:
@@ -41,8 +72,8 @@ class KVPluginOaiPromptCache:
         self.max_size = max_size
         self.max_bytes = max_bytes
         self.cache_dir = cache_dir
-        self.service = self.adapter.create_service(max_bytes=max_bytes, max_entries=max_size,
-                                                   cache_dir=cache_dir)
+        self.service, self._scratch = self.adapter.create_service(
+            max_bytes=max_bytes, max_entries=max_size, cache_dir=cache_dir)
         self.model: Any = None  # the nn.Module the handler runs (bind)
         self._model_key: str | None = None
 
@@ -110,8 +141,11 @@ class KVPluginOaiPromptCache:
                              n_entries=None if n_sequences is None else max(0, n_sequences))
 
     def close(self) -> None:
-        """Shut-down (the handler's cleanup): the store is closed, its SSD tier kept."""
+        """Shut-down (the handler's cleanup): the store is closed; its SSD tier is kept in
+        ``--prompt-cache-dir`` and removed from a private directory, as stock does."""
         self.service.close()
+        if self._scratch is not None:
+            self._scratch.cleanup()
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         return {"kvplugin": {"n_sequences": len(self), "n_bytes": self.nbytes}}

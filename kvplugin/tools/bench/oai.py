@@ -5,9 +5,10 @@ cache into ``--prompt-cache-dir`` on the request's thread at every insert and un
 every hit. So this measures, per model (the tiny model and SmolLM2-135M):
 
 * the entry itself, in process: the time the caller's thread spends in ``insert_cache``
-  (stock: ``dill`` to a file; kvplugin: trim and quantize into the hot tier) and in
-  ``fetch_nearest_cache`` (stock: unpickle; kvplugin: move out and dequantize), the bytes each
-  counts against ``--max-bytes``, and how many conversations a fixed budget holds;
+  (stock: ``dill`` to a file; kvplugin: trim, maybe quantize, a checked safetensors file, or
+  the memory tier under ``--hot-cache-only``) and in ``fetch_nearest_cache`` (stock:
+  unpickle; kvplugin: read and check, or move out), the bytes each counts against
+  ``--max-bytes``, and how many conversations a fixed budget holds;
 * real servers (``mlx-openai-server launch``, its default batched mode): a multi-turn
   conversation's warm time to first token, the prompt tokens each reports reused, the
   answers, and the model process's ``VmHWM`` growth across the conversation.
@@ -27,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
+#: each server's environment: stock, kvplugin's default (fp16 entries in files), 8-bit
+#: entries, and fp16 entries in memory (``--hot-cache-only``)
+SERVER_KINDS = {"stock": {"KVPLUGIN_DISABLE": "1"}, "kvplugin fp16": {},
+                "kvplugin 8-bit": {"KVPLUGIN_KV_CACHE_QUANTIZATION": "1"},
+                "kvplugin fp16 in memory": {"KVPLUGIN_HOT_CACHE_ONLY": "1"}}
 
 
 def _filled_cache(model: Any, tokens: list[int]) -> list:
@@ -45,19 +51,26 @@ def _evaluated(cache: list) -> None:
     mx.eval([c.state for c in cache])
 
 
-def _kvplugin_cache(bits: int | None) -> Any:
-    """kvplugin's prompt cache of the host on its own service (fp16 or ``bits`` entries)."""
+def _kvplugin_cache(bits: int | None, cache_dir: str, *, in_memory: bool = False) -> Any:
+    """kvplugin's prompt cache of the host on its own service (fp16 or ``bits`` entries),
+    its entries where the host's adapter keeps them (``cache_dir``), or in memory."""
     from kvplugin.cache.service.service import KVService
-    from kvplugin.hosts.mlx_openai_server.prompt_cache import KVPluginOaiPromptCache
+    from kvplugin.hosts.mlx_openai_server.prompt_cache import (
+        KVPluginOaiPromptCache,
+        where_entries_live,
+    )
     from kvplugin.plugins import get_plugin_manager
-    from kvplugin.settings import resolve_settings
 
-    flags = {} if bits is None else {"kv_cache_quantization": True,
-                                     "kv_cache_quantization_bits": bits}
-    service = KVService(resolve_settings(flags), host="mlx-openai-server",
-                        hook=get_plugin_manager().hook, max_bytes=None, max_entries=10)
-    KVPluginOaiPromptCache.adapter = types.SimpleNamespace(create_service=lambda **kw: service)
-    return KVPluginOaiPromptCache(10, 1 << 63, None)
+    flags: dict[str, Any] = {"hot_cache_only": in_memory}
+    if bits is not None:
+        flags.update(kv_cache_quantization=True, kv_cache_quantization_bits=bits)
+    settings, budget, _ = where_entries_live(cache_dir, None, flags)
+    service = KVService(settings, host="mlx-openai-server", hook=get_plugin_manager().hook,
+                        max_bytes=budget, max_entries=10)
+    service.evaluate_at_store = True
+    KVPluginOaiPromptCache.adapter = types.SimpleNamespace(
+        create_service=lambda **kw: (service, None))
+    return KVPluginOaiPromptCache(10, 1 << 63, cache_dir)
 
 
 def store_costs(model_dir: Path, prompt_tokens: int, repeats: int, budget: int) -> dict:
@@ -70,7 +83,8 @@ def store_costs(model_dir: Path, prompt_tokens: int, repeats: int, budget: int) 
     tokens = list(tokenizer.encode(TextMaker(model_dir).text(prompt_tokens, seed="oai-store")))
     probe = [*tokens, tokens[0]]
     rows: dict[str, dict] = {}
-    for name, bits in (("stock", None), ("kvplugin fp16", None), ("kvplugin 8-bit", 8)):
+    for name, bits in (("stock", None), ("kvplugin fp16", None), ("kvplugin 8-bit", 8),
+                       ("kvplugin fp16 --hot-cache-only", None)):
         insert_s, fetch_s, held = [], [], 0
         for _ in range(repeats):
             cache = _filled_cache(model, tokens)
@@ -80,13 +94,13 @@ def store_costs(model_dir: Path, prompt_tokens: int, repeats: int, budget: int) 
 
                     store = LRUPromptCache(max_size=10, cache_dir=tmp)
                 else:
-                    store = _kvplugin_cache(bits)
+                    store = _kvplugin_cache(bits, tmp, in_memory="hot-cache" in name)
                     store.bind(model)
                 t0 = time.perf_counter()
                 store.insert_cache(tokens, cache, source="batch")
                 insert_s.append(time.perf_counter() - t0)
-                held = store.nbytes
-                disk = sum(p.stat().st_size for p in Path(tmp).iterdir())
+                disk = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
+                held = store.nbytes or disk  # what the budget counts: memory, else files
                 del cache
                 t0 = time.perf_counter()
                 got, rest = store.fetch_nearest_cache(probe, allowed_sources={"batch"})
@@ -119,8 +133,7 @@ def conversation(model_dir: Path, kind: str, prompt_tokens: int, turns: int,
     from kvplugin.tools.hostproc import ServerProcess
     from kvplugin.tools.prompts import TextMaker
 
-    env = ({"KVPLUGIN_DISABLE": "1"} if kind == "stock"
-           else {"KVPLUGIN_KV_CACHE_QUANTIZATION": "1"})
+    env = SERVER_KINDS[kind]
     port = hostcmd.free_port()
     with tempfile.TemporaryDirectory(prefix=f"oai-bench-{kind}-") as tmp:
         cmd = hostcmd.host_cmd(MLX_OPENAI_SERVER, model_dir, port, "--prompt-cache-dir",
@@ -165,10 +178,10 @@ def report(name: str, result: dict) -> str:
     s, c = result["store"], result["servers"]
     lines = [f"{name}: entry of {s['prompt_tokens']} tokens (median of {s['repeats']}); "
              f"budget {s['budget_bytes'] / MIB:.0f} MiB",
-             f"  {'':16} {'insert (request thread)':>24} {'fetch':>10} {'counted':>11} "
+             f"  {'':32} {'insert (request thread)':>24} {'fetch':>10} {'counted':>11} "
              f"{'on disk':>11} {'held':>5}"]
     for row_name, r in s["rows"].items():
-        lines.append(f"  {row_name:16} {r['insert_ms']:>21.1f} ms {r['fetch_ms']:>7.1f} ms "
+        lines.append(f"  {row_name:32} {r['insert_ms']:>21.1f} ms {r['fetch_ms']:>7.1f} ms "
                      f"{r['bytes_counted'] / MIB:>7.2f} MiB {r['disk_bytes'] / MIB:>7.2f} MiB "
                      f"{r['held_in_budget']:>5}")
     stock = c["stock"]
@@ -203,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                                        args.budget_mib * MIB),
                   "servers": {kind: conversation(model_dir, kind, args.prompt_tokens,
                                                  args.turns, args.max_tokens)
-                              for kind in ("stock", "kvplugin 8-bit")}}
+                              for kind in SERVER_KINDS}}
         print(report(name, result), flush=True)
         everything[name] = result
     (args.out / "oai.json").write_text(json.dumps(everything, indent=2, default=str))

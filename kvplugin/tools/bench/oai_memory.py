@@ -23,7 +23,8 @@ MIB = 1 << 20
 KINDS = {"stock": {"KVPLUGIN_DISABLE": "1"}, "fp16": {},
          "8bit": {"KVPLUGIN_KV_CACHE_QUANTIZATION": "1",
                   "KVPLUGIN_KV_CACHE_QUANTIZATION_BITS": "8",
-                  "KVPLUGIN_KV_CACHE_MIN_QUANTIZE_TOKENS": "64"}}
+                  "KVPLUGIN_KV_CACHE_MIN_QUANTIZE_TOKENS": "64"},
+         "memory": {"KVPLUGIN_HOT_CACHE_ONLY": "1"}}
 
 
 def stages(model_dir: Path, kind: str, extra_env: dict[str, str], *, conversations: int,
