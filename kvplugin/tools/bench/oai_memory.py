@@ -54,7 +54,8 @@ def stages(model_dir: Path, kind: str, extra_env: dict[str, str], *, conversatio
                 stats = get_stats(srv) or {}
                 out[stage] = {"rss_mib": round((rss or 0) / MIB, 1),
                               "hwm_mib": round((hwm or 0) / MIB, 1),
-                              "store_bytes": stats.get("store_bytes")}
+                              "store_bytes": stats.get("store_bytes"),
+                              "file_bytes": stats.get("cold_disk_bytes")}
                 print(f"{kind:6} {stage:8} {out[stage]}", flush=True)
 
             mark("ready")
