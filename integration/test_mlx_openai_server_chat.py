@@ -123,25 +123,54 @@ def test_the_single_request_path_answers_as_stock_and_reuses_at_least_as_much(st
     assert srv.get("/kvplugin/stats")["store_hits"] >= 1
 
 
-def test_entries_are_files_as_stock_and_max_bytes_bounds_them(start_server, tmp_path):
-    """Stock holds no entry in memory; neither does kvplugin by default: its entries are
-    checked files, bounded by ``--max-bytes``, in a private directory removed at shut-down."""
-    budget = 100_000  # two or three of these short conversations' entries
-    srv = start_server(mlx_openai_server_cmd, "--max-bytes", str(budget),
-                       env={"TMPDIR": str(tmp_path)})
-    for text in (*TURNS, *OTHER):
-        conversation(srv, (text,), max_tokens=4)
-    again = conversation(srv, (OTHER[0], OTHER[1]), max_tokens=4)  # the last one stored
+def test_entries_are_files_between_conversations_as_stock_and_answer_as_stock(
+        start_server, tmp_path):
+    """Stock holds no entry in memory; kvplugin holds only the conversation that just ended,
+    until another request: the rest are checked files, in a private directory removed at
+    shut-down. A turn served from a file or from memory answers as stock's."""
+    srv = start_server(mlx_openai_server_cmd, env={"TMPDIR": str(tmp_path)})
+    stock = start_server(mlx_openai_server_cmd, "--prompt-cache-dir", str(tmp_path / "stock"),
+                         env={"KVPLUGIN_DISABLE": "1"})  # fresh, as ours: the same history
+    one = [{"role": "user", "content": "Tell me about the lighthouse keeper."}]
+    two = [{"role": "user", "content": "Describe the market on a rainy day."}]
+
+    def turn(server, messages):
+        response = server.chat(messages, max_tokens=8)
+        messages.append({"role": "assistant", "content": answer_text(response)})
+        return answer_text(response), cached_tokens(response)
+
+    ours, theirs = [], []
+    for server, out in ((srv, ours), (stock, theirs)):
+        a, b = [dict(m) for m in one], [dict(m) for m in two]
+        out.append(turn(server, a))
+        out.append(turn(server, b))  # a's entry leaves memory before b's prefill
+        a.append({"role": "user", "content": "Where does he live?"})
+        out.append(turn(server, a))  # a, from its file
+        a.append({"role": "user", "content": "And in winter?"})
+        out.append(turn(server, a))  # a again, straight after: from memory
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    assert all(o[1] >= t[1] for o, t in zip(ours, theirs)), (ours, theirs)
+    assert ours[2][1] > 0 and ours[3][1] > 0, ours
     stats = srv.get("/kvplugin/stats")
-    assert stats["store_bytes"] == 0 and stats["store_entries"] == 0, stats
-    assert 0 < stats["cold_disk_bytes"] <= budget, stats
-    assert stats["cold_evictions"] >= 1 and stats["store_cold_hits"] >= 1, stats
-    assert again[-1][1] > 0, again
+    assert stats["store_cold_hits"] >= 1 and stats["store_hits"] >= 2, stats
+    assert stats["store_entries"] <= 1 and stats["store_spills"] >= 2, stats
     tiers = list(tmp_path.glob("kvplugin-oai-prompt-cache-*"))
     assert len(tiers) == 1 and any(tiers[0].rglob("*.safetensors")), tiers
     os.killpg(srv.pid, signal.SIGINT)  # a user's Ctrl-C: the host's orderly shut-down
     srv.proc.wait(timeout=60)
     assert not tiers[0].exists(), "the private directory outlived the server"
+
+
+def test_max_bytes_bounds_the_entry_files(start_server):
+    budget = 50_000  # two of these short conversations' entry files
+    srv = start_server(mlx_openai_server_cmd, "--max-bytes", str(budget))
+    for text in (*TURNS, *OTHER):
+        conversation(srv, (text,), max_tokens=4)
+    stats = srv.get("/kvplugin/stats")
+    assert 0 < stats["cold_disk_bytes"] <= budget, {
+        k: v for k, v in stats.items() if k.startswith(("cold_", "store_"))}
+    assert stats["cold_evictions"] >= 1 and stats["store_entries"] <= 1, str({
+        k: v for k, v in stats.items() if k.startswith(("cold_", "store_"))})
 
 
 def test_hot_cache_only_keeps_entries_in_memory_within_max_bytes(start_server):

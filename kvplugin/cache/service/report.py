@@ -107,8 +107,8 @@ class Reporting:
         budget = ("unlimited" if store.max_bytes >= _UNLIMITED
                   else f"{store.max_bytes / 2**20:.0f} MiB")
         entries = "unlimited" if store.max_entries is None else f"{store.max_entries} entries"
-        if store.max_bytes == 0 and store.cold is not None:  # a host whose entries are files
-            budget, entries = "none held in memory", "every entry in the cold tier"
+        if getattr(self, "idle_hold", None) is not None:  # a host whose stock holds none
+            budget = f"{budget} in memory between requests only, else in the cold tier"
         if s.hot_cache_only:
             cold = "none (--hot-cache-only: evictions are discarded)"
         elif store.cold is not None and (s.ssd_cache_dir or s.remote_url) is not None:

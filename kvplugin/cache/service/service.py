@@ -35,6 +35,7 @@ from kvplugin.cache.memory.admission import AdmissionControl
 from kvplugin.cache.store.prompts import RecentPrompts
 from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.service.holdings import Holdings
+from kvplugin.cache.service.idle_hold import IdleHold
 from kvplugin.cache.service.persist import Persistence
 from kvplugin.cache.service.pressure import quantizes_at_store, store_demotion
 from kvplugin.cache.service.report import Reporting
@@ -261,11 +262,24 @@ class KVService(Holdings, Persistence, Reporting):
         # has gone.
         if self.evaluate_at_store or self.store.cold is not None or self.store.demote is not None:
             mx.eval(entry_arrays(entry))
-        stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
+        stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len,
+                                   cold_only=self.idle_hold is not None
+                                   and not self.idle_hold.may_hold())
         if stored:
             self._event("store", len(tokens), entry)
             self.store.publish(model_key, tokens, entry)
         return stored
+
+    def hold_between_requests(self) -> None:
+        """Keep entries in memory only while no other request runs (a host whose stock
+        holds none there): see :mod:`kvplugin.cache.service.idle_hold`."""
+        self.idle_hold = IdleHold(self.store)
+
+    def request_started(self, key: Any) -> None:
+        """A request begins (before its fetch): counted where entries are held only between
+        requests (:mod:`kvplugin.cache.service.idle_hold`)."""
+        if self.idle_hold is not None:
+            self.idle_hold.started(key)
 
     def request_done(self, key: Any) -> None:
         """A request is over (answered, failed or refused): its admission reservation goes,
@@ -273,6 +287,8 @@ class KVService(Holdings, Persistence, Reporting):
         limit (``--max-memory``; off: of physical memory). Below that the buffers are kept
         for the next request to reuse, as MLX intends."""
         self.admission.finish(key)
+        if self.idle_hold is not None:
+            self.idle_hold.done(key)
         from kvplugin.resources import physical_memory
         from kvplugin.cache.memory.release import buffer_cache_bytes
 
@@ -374,8 +390,10 @@ class KVService(Holdings, Persistence, Reporting):
                                            dequantize=dequantize)
         except UnknownCodec as e:  # written by another kvplugin version: a miss, never misread
             log.warning("kvplugin: stored entry not used (%s); treated as a miss", e)
-            self._event("miss", len(tokens))
-            return None, 0
+            restored = None
+        finally:
+            if self.idle_hold is not None:
+                self.idle_hold.fetched()
         if restored is None:
             self._event("miss", len(tokens))
             log.debug("prompt cache miss: %d prompt tokens", len(tokens))
@@ -411,6 +429,8 @@ class KVService(Holdings, Persistence, Reporting):
     key_ropes: tuple | None = None
     #: a host whose entries are served on another thread than the one that stored them
     evaluate_at_store: bool = False
+    #: a host whose stock holds no entry in memory: entries held only between requests
+    idle_hold: IdleHold | None = None
 
     def dequantize(self, cache: list) -> list:
         """The entry as the host runs it: dequantized, except layers already quantized the

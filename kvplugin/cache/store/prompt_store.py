@@ -249,13 +249,13 @@ class PromptStore(Demotion):
 
     def insert(
         self, model_key: str, tokens: Sequence[int], cache: list, *, nbytes: int | None = None,
-        prompt_len: int | None = None,
+        prompt_len: int | None = None, cold_only: bool = False,
     ) -> bool:
         """Store ``cache`` (ownership passes to the store) under ``tokens``.
 
         Returns True if the entry is now kept (hot tier, or cold tier for an
-        oversized entry), False if it was rejected.  May evict (and spill) LRU
-        entries; that work happens before returning, in this thread.
+        oversized entry or with ``cold_only``), False if it was rejected.  May evict
+        (and spill) LRU entries; that work happens before returning, in this thread.
         """
         key = to_key(tokens)
         if not key or not cache:
@@ -266,7 +266,8 @@ class PromptStore(Demotion):
         entry = StoreEntry(model_key, key, cache, price, prompt_len)
         held = old = prev = None
         with self._lock:
-            hot = price <= self.max_bytes and self.max_entries != 0
+            hot = price <= self.max_bytes and self.max_entries != 0 and not (
+                cold_only and self.cold is not None)
             held = self._owner.get(id(cache[0]))
             if held is not None and (held.model_key, held.tokens) != (model_key, key):
                 self._remove(held)  # same cache object re-inserted under a new key

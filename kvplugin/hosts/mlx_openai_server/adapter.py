@@ -119,10 +119,11 @@ class MlxOpenaiServerAdapter(HostAdapter, declaration=MLX_OPENAI_SERVER):
         from kvplugin.settings import SettingsError
 
         try:
-            settings, budget, scratch = where_entries_live(
-                cache_dir, None if max_bytes is None or max_bytes >= _NO_BUDGET
-                else int(max_bytes))
+            budget = None if max_bytes is None or max_bytes >= _NO_BUDGET else int(max_bytes)
+            settings, between_requests, scratch = where_entries_live(cache_dir, budget)
             service = self.make_session(settings, max_bytes=budget, max_entries=max_entries)
+            if between_requests:
+                service.hold_between_requests()
         except SettingsError as err:
             fail_start(str(err), hard=True)
         # Its single-request path serves a stored entry on another thread than the one that

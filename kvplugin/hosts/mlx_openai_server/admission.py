@@ -2,8 +2,8 @@
 
 ``MLXLMHandler._build_inference_context`` (the model process, before the prompt cache is
 fetched and before the request reaches the batch scheduler or the single-request worker)
-    Wrapped: once the prompt is tokenized, the service admits the request (reserving its
-    estimated need) or refuses it.
+    Wrapped: once the prompt is tokenized, the request is counted as running and the service
+    admits it (reserving its estimated need) or refuses it.
 ``MLXLMHandler.generate_text_response`` / ``generate_text_stream``
     Wrapped: the host answers any error of its own with 500; a refusal is answered with the
     verdict's status (413 never fits, 503 busy) and its reason instead, and the reservation
@@ -39,6 +39,8 @@ def _wrap_build(adapter: Any, original: Callable, refusals: dict) -> Callable:
     async def _build_inference_context(handler: Any, request: Any, *args: Any, **kw: Any):
         ctx = await original(handler, request, *args, **kw)
         service = adapter.service
+        if service is not None:
+            service.request_started(id(request))
         if service is not None and service.admission_on:
             from kvplugin.cache.memory.footprint import AdmissionRefused
 

@@ -6,8 +6,9 @@ max_bytes=..., cache_dir=...)`` and its two paths call ``fetch_nearest_cache`` /
 ``insert_cache`` / ``trim_to`` on it; each call becomes one call of the service. Stock keeps
 nothing in memory and pickles every entry into ``cache_dir``; here every entry is trimmed,
 maybe quantized, and kept as a checked safetensors file by the service's SSD tier (in
-``cache_dir``, else a private temporary directory), consumed on a hit; under
-``--hot-cache-only`` entries stay in memory instead and are moved out on a hit.
+``cache_dir``, else a private temporary directory), consumed on a hit, except the one that
+just ended, held in memory until the next request; under ``--hot-cache-only`` entries stay
+in memory instead and are moved out on a hit.
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ NONBATCH = "nonbatch"
 
 
 def where_entries_live(cache_dir: Any, max_bytes: int | None,
-                       flags: Mapping[str, Any] | None = None) -> tuple[Any, int | None, Any]:
-    """The settings, the in-memory budget and the private directory (or None) of the
-    store that replaces stock's: as stock holds no entry in memory, entries are files.
+                       flags: Mapping[str, Any] | None = None) -> tuple[Any, bool, Any]:
+    """The settings of the store that replaces stock's, whether its entries are held in
+    memory only between requests, and its private directory (or None).
 
     Why: stock pickles every entry into ``--prompt-cache-dir`` (else a temporary directory)
-    and holds none in memory, so a store that held them would raise the process's peak
-    above stock's. Here they are files too, checked safetensors in the same place, bounded
-    by ``--max-bytes``; ``--hot-cache-only`` keeps them in memory instead (faster hits for
-    the memory they take), bounded by the same flag.
+    and holds none in memory, so a store that held entries beside running requests would
+    raise the process's peak above stock's. Here they are files too, checked safetensors in
+    the same place, bounded by ``--max-bytes``, and the one conversation that just ended
+    stays in memory until the next request (:mod:`kvplugin.cache.service.idle_hold`).
+    ``--hot-cache-only`` keeps them all in memory instead (faster hits for the memory they
+    take), bounded by the same flag.
     """
     from kvplugin.settings import resolve_settings
 
@@ -44,14 +47,14 @@ def where_entries_live(cache_dir: Any, max_bytes: int | None,
         given["ssd_cache_dir"] = cache_dir
     settings = resolve_settings(given or None)
     if settings.hot_cache_only:
-        return settings, max_bytes, None
+        return settings, False, None
     scratch = None
     if settings.ssd_cache_dir is None:
         scratch = tempfile.TemporaryDirectory(prefix="kvplugin-oai-prompt-cache-")
         given["ssd_cache_dir"] = scratch.name
     if max_bytes is not None:
         given["ssd_cache_max_gb"] = max_bytes / 1e9
-    return resolve_settings(given), 0, scratch
+    return resolve_settings(given), True, scratch
 
 
 class KVPluginOaiPromptCache:

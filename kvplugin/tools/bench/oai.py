@@ -9,7 +9,7 @@ every hit. So this measures, per model (the tiny model and SmolLM2-135M):
   the memory tier under ``--hot-cache-only``) and in ``fetch_nearest_cache`` (stock:
   unpickle; kvplugin: read and check, or move out), the bytes each counts against
   ``--max-bytes``, and how many conversations a fixed budget holds;
-* real servers (``mlx-openai-server launch``, its default batched mode): a multi-turn
+* real servers (``mlx-openai-server launch``, batched or ``--disable-batching``): a multi-turn
   conversation's warm time to first token, the prompt tokens each reports reused, the
   answers, and the model process's ``VmHWM`` growth across the conversation.
 """
@@ -64,10 +64,12 @@ def _kvplugin_cache(bits: int | None, cache_dir: str, *, in_memory: bool = False
     flags: dict[str, Any] = {"hot_cache_only": in_memory}
     if bits is not None:
         flags.update(kv_cache_quantization=True, kv_cache_quantization_bits=bits)
-    settings, budget, _ = where_entries_live(cache_dir, None, flags)
+    settings, between_requests, _ = where_entries_live(cache_dir, None, flags)
     service = KVService(settings, host="mlx-openai-server", hook=get_plugin_manager().hook,
-                        max_bytes=budget, max_entries=10)
+                        max_bytes=None, max_entries=10)
     service.evaluate_at_store = True
+    if between_requests:
+        service.hold_between_requests()
     KVPluginOaiPromptCache.adapter = types.SimpleNamespace(
         create_service=lambda **kw: (service, None))
     return KVPluginOaiPromptCache(10, 1 << 63, cache_dir)
@@ -124,8 +126,9 @@ def _vm_hwm(pid: int) -> int | None:
 
 
 def conversation(model_dir: Path, kind: str, prompt_tokens: int, turns: int,
-                 max_tokens: int) -> dict:
-    """One multi-turn conversation on a real server; TTFT, reuse, answers, VmHWM."""
+                 max_tokens: int, mode: str = "batched") -> dict:
+    """One multi-turn conversation on a real server (``mode``: the host's default batched
+    path, or ``single``: ``--disable-batching``); TTFT, reuse, answers, VmHWM."""
     from kvplugin.hostspecs import MLX_OPENAI_SERVER
     from kvplugin.tools import hostcmd
     from kvplugin.tools.bench.server_phases import model_pid
@@ -137,7 +140,8 @@ def conversation(model_dir: Path, kind: str, prompt_tokens: int, turns: int,
     port = hostcmd.free_port()
     with tempfile.TemporaryDirectory(prefix=f"oai-bench-{kind}-") as tmp:
         cmd = hostcmd.host_cmd(MLX_OPENAI_SERVER, model_dir, port, "--prompt-cache-dir",
-                               str(Path(tmp) / "prompt-cache"))
+                               str(Path(tmp) / "prompt-cache"),
+                               *(["--disable-batching"] if mode == "single" else []))
         with ServerProcess(cmd, port=port, env=env, workdir=Path(tmp) / "srv",
                            model=hostcmd.SERVED_MODEL_NAME, startup_timeout=300) as srv:
             stream_chat(srv, [{"role": "user", "content": "Hello."}], max_tokens=2)
@@ -185,7 +189,7 @@ def report(name: str, result: dict) -> str:
                      f"{r['bytes_counted'] / MIB:>7.2f} MiB {r['disk_bytes'] / MIB:>7.2f} MiB "
                      f"{r['held_in_budget']:>5}")
     stock = c["stock"]
-    lines.append(f"  server, {len(stock['turns'])} turns: {'':4} {'cold TTFT':>10} "
+    lines.append(f"  server ({result['mode']}), {len(stock['turns'])} turns: {'':4} {'cold TTFT':>10} "
                  f"{'warm TTFT':>10} {'reused':>14} {'VmHWM growth':>13} same answers")
     for kind, r in c.items():
         same = sum(a["text"] == b["text"] for a, b in zip(r["turns"], stock["turns"]))
@@ -205,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-mib", type=int, default=64)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--mode", choices=("batched", "single"), default="batched",
+                   help="the servers' path: batched (the host's default) or single "
+                        "(--disable-batching)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -212,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     everything = {}
     for name in args.model or ["tiny", "smollm2"]:
         model_dir = _model_dir(name)
-        result = {"store": store_costs(model_dir, args.prompt_tokens, args.repeats,
+        result = {"mode": args.mode, "store": store_costs(model_dir, args.prompt_tokens, args.repeats,
                                        args.budget_mib * MIB),
                   "servers": {kind: conversation(model_dir, kind, args.prompt_tokens,
-                                                 args.turns, args.max_tokens)
+                                                 args.turns, args.max_tokens, args.mode)
                               for kind in SERVER_KINDS}}
         print(report(name, result), flush=True)
         everything[name] = result
