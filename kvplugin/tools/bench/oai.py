@@ -5,9 +5,10 @@ cache into ``--prompt-cache-dir`` on the request's thread at every insert and un
 every hit. So this measures, per model (the tiny model and SmolLM2-135M):
 
 * the entry itself, in process: the time the caller's thread spends in ``insert_cache``
-  (stock: ``dill`` to a file; kvplugin: trim, maybe quantize, a checked safetensors file, or
-  the memory tier under ``--hot-cache-only``) and in ``fetch_nearest_cache`` (stock:
-  unpickle; kvplugin: read and check, or move out), the bytes each counts against
+  (stock: ``dill`` to a file; kvplugin: trim, maybe quantize, held in memory until another
+  request, then a checked safetensors file, "via its file", or the memory tier under
+  ``--hot-cache-only``) and in ``fetch_nearest_cache`` (stock: unpickle; kvplugin: move out,
+  or read and check the file), the bytes each counts against
   ``--max-bytes``, and how many conversations a fixed budget holds;
 * real servers (``mlx-openai-server launch``, batched or ``--disable-batching``): a multi-turn
   conversation's warm time to first token, the prompt tokens each reports reused, the
@@ -86,6 +87,8 @@ def store_costs(model_dir: Path, prompt_tokens: int, repeats: int, budget: int) 
     probe = [*tokens, tokens[0]]
     rows: dict[str, dict] = {}
     for name, bits in (("stock", None), ("kvplugin fp16", None), ("kvplugin 8-bit", 8),
+                       ("kvplugin fp16, via its file", None),
+                       ("kvplugin 8-bit, via its file", 8),
                        ("kvplugin fp16 --hot-cache-only", None)):
         insert_s, fetch_s, held = [], [], 0
         for _ in range(repeats):
@@ -100,6 +103,8 @@ def store_costs(model_dir: Path, prompt_tokens: int, repeats: int, budget: int) 
                     store.bind(model)
                 t0 = time.perf_counter()
                 store.insert_cache(tokens, cache, source="batch")
+                if "via its file" in name:  # another conversation's request came between
+                    store.service.store.flush()
                 insert_s.append(time.perf_counter() - t0)
                 disk = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
                 held = store.nbytes or disk  # what the budget counts: memory, else files
@@ -188,6 +193,8 @@ def report(name: str, result: dict) -> str:
         lines.append(f"  {row_name:32} {r['insert_ms']:>21.1f} ms {r['fetch_ms']:>7.1f} ms "
                      f"{r['bytes_counted'] / MIB:>7.2f} MiB {r['disk_bytes'] / MIB:>7.2f} MiB "
                      f"{r['held_in_budget']:>5}")
+    if not c:
+        return "\n".join(lines)
     stock = c["stock"]
     lines.append(f"  server ({result['mode']}), {len(stock['turns'])} turns: {'':4} {'cold TTFT':>10} "
                  f"{'warm TTFT':>10} {'reused':>14} {'VmHWM growth':>13} same answers")
@@ -212,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("batched", "single"), default="batched",
                    help="the servers' path: batched (the host's default) or single "
                         "(--disable-batching)")
+    p.add_argument("--no-servers", action="store_true",
+                   help="the in-process entry costs only (no real servers)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -221,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = _model_dir(name)
         result = {"mode": args.mode, "store": store_costs(model_dir, args.prompt_tokens, args.repeats,
                                        args.budget_mib * MIB),
-                  "servers": {kind: conversation(model_dir, kind, args.prompt_tokens,
-                                                 args.turns, args.max_tokens, args.mode)
-                              for kind in SERVER_KINDS}}
+                  "servers": {} if args.no_servers else {
+                      kind: conversation(model_dir, kind, args.prompt_tokens, args.turns,
+                                         args.max_tokens, args.mode)
+                      for kind in SERVER_KINDS}}
         print(report(name, result), flush=True)
         everything[name] = result
     (args.out / "oai.json").write_text(json.dumps(everything, indent=2, default=str))
