@@ -36,7 +36,7 @@ from kvplugin.cache.store.prompts import RecentPrompts
 from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.service.holdings import Holdings
 from kvplugin.cache.service.persist import Persistence
-from kvplugin.cache.service.pressure import quantizes_at_store, store_demotion
+from kvplugin.cache.service.pressure import fit_at_insert, quantizes_at_store, store_demotion
 from kvplugin.cache.service.report import Reporting
 from kvplugin.cache.service.counters import BatchPlan, Counters, entry_codec
 from kvplugin.cache.service.fit import ModelChecker
@@ -221,6 +221,8 @@ class KVService(Holdings, Persistence, Reporting):
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
         entry = self._prepare_owned(model_key, tokens, cache)
+        if entry is cache and self.store.demote is not None:
+            entry = list(cache)  # its layers are swapped for quantized ones when demoted
         if entry is not cache:
             # The host may keep its list object a while (mlx-lm's loop holds the last
             # response): drop its references now so a replaced full-precision original is
@@ -259,9 +261,11 @@ class KVService(Holdings, Persistence, Reporting):
         # worker, a host that serves it elsewhere), evaluated here: MLX cannot run a graph made
         # on this thread's streams there. Otherwise lazy: its copy is made once the live cache
         # has gone.
+        entry, demoted = fit_at_insert(self, model_key, tokens, entry)
         if self.evaluate_at_store or self.store.cold is not None or self.store.demote is not None:
             mx.eval(entry_arrays(entry))
-        stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len)
+        stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len,
+                                   demoted=demoted)
         if stored:
             self._event("store", len(tokens), entry)
             self.store.publish(model_key, tokens, entry)
