@@ -15,9 +15,10 @@ budget is the host's own flag (``--prompt-cache-bytes``; ``--cache-memory-mb``, 
   turns that reused their first turn's prompt: the host's ``cached_tokens``, or kvplugin's
   store where the host reports none, so vllm-mlx's stock reads "-"), the process's VmHWM and
   MLX peak, the
-  demotions (all on the store's worker: a request's thread never runs the codec to make room)
-  and the entries evicted at full precision because the worker had not reached them
-  (``evictions_full``).
+  demotions on the store's worker, the entries quantized as they were stored because the budget
+  could not hold them at full precision (``demotions_at_insert``: the codec on the inserting
+  thread, as ``always`` runs it for every entry) and the entries evicted at full precision
+  because the worker had not reached them (``evictions_full``).
   The pressure server's resident memory is sampled over the run (``pressure-memory.json``, and
   a PNG with ``kvplugin[bench]``).
 
@@ -161,6 +162,7 @@ def under_pressure(start: Callable[..., Any], systems: list[str], budget: int,
             "vmhwm_bytes": _status(srv.pid, "VmHWM"),
             "mlx_peak_bytes": stats.get("mlx_peak_memory"),
             "demotions": stats.get("demotions"), "evictions_full": stats.get("evictions_full"),
+            "demotions_at_insert": stats.get("demotions_at_insert"),
             "evictions": stats.get("store_evictions"), "store_bytes": stats.get("store_bytes"),
         }
         if sampler is not None:
@@ -174,7 +176,7 @@ def table(res: dict) -> str:
     ms = lambda s: "-" if s is None else f"{1000 * s:.0f} ms"  # noqa: E731
     mib = lambda b: "-" if not b else f"{b / 2**20:.1f} MiB"  # noqa: E731
     out = [f"{'policy':<9} {'warm TTFT':>10} {'vs stock':>8} {'kept':>7} {'VmHWM':>10} "
-           f"{'MLX peak':>10} {'demotions':>9} {'evicted at full precision':>25}"]
+           f"{'MLX peak':>10} {'demotions':>9} {'at insert':>9} {'evicted at full precision':>25}"]
     for p in POLICIES:
         r, t = room[p], tight[p]
         out.append(
@@ -182,6 +184,7 @@ def table(res: dict) -> str:
             f"{'-' if t['kept'] is None else t['kept']:>3}/{t['conversations']:<3} "
             f"{mib(t['vmhwm_bytes']):>10} "
             f"{mib(t['mlx_peak_bytes']):>10} {t['demotions'] if t['demotions'] is not None else '-':>9} "
+            f"{'-' if t.get('demotions_at_insert') is None else t['demotions_at_insert']:>9} "
             f"{t['evictions_full'] if t['evictions_full'] is not None else '-':>25}")
     return "\n".join(out)
 
