@@ -189,7 +189,8 @@ def table(res: dict) -> str:
     return "\n".join(out)
 
 
-def _plot(rows: list, path: Path) -> bool:
+def _plot(rows: list, path: Path, marks: dict[str, int]) -> bool:
+    """VmRSS over the pressure run, each of ``marks`` (a label: bytes) a horizontal line."""
     try:
         import matplotlib
 
@@ -198,7 +199,11 @@ def _plot(rows: list, path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 3))
-    ax.plot([t for t, _ in rows], [b / 2**20 for _, b in rows])
+    ax.plot([t for t, _ in rows], [b / 2**20 for _, b in rows], label="pressure VmRSS")
+    for (label, value), style in zip(marks.items(), ("--", ":", "-.")):
+        if value:
+            ax.axhline(value / 2**20, linestyle=style, color="gray", label=label)
+    ax.legend(loc="lower right", fontsize=8)
     ax.set_xlabel("seconds"), ax.set_ylabel("VmRSS (MiB)")
     ax.set_title("pressure policy: the server's resident memory over the run")
     fig.tight_layout()
@@ -290,7 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
            "room_to_spare": room, "under_pressure": tight}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pressure.json").write_text(json.dumps(res, indent=1))
-    plotted = _plot(tight.get("pressure_memory") or [], args.out / "pressure-memory.png")
+    plotted = _plot(tight.get("pressure_memory") or [], args.out / "pressure-memory.png",
+                    {f"{p} VmHWM": tight[p]["vmhwm_bytes"] for p in POLICIES})
     text = (f"kvplugin bench --pressure: {res['host']} ({args.path} path), {name}, "
             f"{args.bits}-bit entries, {args.prefix_tokens}-token system prompts; warm TTFT: "
             f"median of turns 2-4 of one conversation, budget unlimited; under pressure: budget "
