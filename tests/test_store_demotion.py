@@ -276,3 +276,17 @@ def test_the_worker_keeps_room_for_the_next_entry_so_inserts_do_not_evict():
     assert st["demotions"] == 4  # all ahead of need, the newest last: room for a fifth
     assert svc.store.nbytes + F <= 3.2 * F
     svc.close()
+
+
+def test_the_hosts_list_lets_go_of_the_layers_a_demotion_replaces():
+    """A host may keep the list it inserted (mlx-lm's loop variable): it is emptied at insert,
+    so the full-precision layers go when the worker swaps them, not at the host's next turn."""
+    svc = service(int(1.5 * F))
+    host_list = filled(T)
+    layers = list(host_list)
+    svc.insert("m", conv(1), host_list)
+    assert host_list == []  # the store holds the layers in a list of its own
+    assert svc.store.settle()
+    (entry,) = svc.store.entries()
+    assert entry.demoted and not any(layer in entry.cache for layer in layers)
+    svc.close()
