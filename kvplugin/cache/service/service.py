@@ -222,7 +222,7 @@ class KVService(Holdings, Persistence, Reporting):
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
         entry = self._prepare_owned(model_key, tokens, cache)
         if entry is cache and self.store.demote is not None:
-            entry = list(cache)  # its layers are swapped for quantized ones when demoted
+            entry = list(cache)  # the host's list must not keep layers a demotion replaces
         if entry is not cache:
             # The host may keep its list object a while (mlx-lm's loop holds the last
             # response): drop its references now so a replaced full-precision original is
@@ -257,11 +257,12 @@ class KVService(Holdings, Persistence, Reporting):
         """
         if prompt_len is None:
             prompt_len = self._recent_prompts.prompt_len(model_key, tokens)
+        # under pressure: quantized here, not evaluated, where the budget cannot hold it
+        entry, demoted = fit_at_insert(self, model_key, tokens, entry)
         # Where another thread may take it (a cold tier's spill or shut-down flush, the demotion
         # worker, a host that serves it elsewhere), evaluated here: MLX cannot run a graph made
         # on this thread's streams there. Otherwise lazy: its copy is made once the live cache
         # has gone.
-        entry, demoted = fit_at_insert(self, model_key, tokens, entry)
         if self.evaluate_at_store or self.store.cold is not None or self.store.demote is not None:
             mx.eval(entry_arrays(entry))
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len,
