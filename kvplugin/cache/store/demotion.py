@@ -9,9 +9,9 @@ thread once the hot tier passes :data:`HIGH_WATER` of its budget or leaves no ro
 entry like the last one. The hot tier never holds more than its budget: an entry enters at full
 precision only where the budget holds it beside what is stored (:meth:`fits_at_full_precision`);
 one that does not (every other entry demoted already, or the worker still at work) is
-quantized as it is stored
-(:meth:`demote_at_insert`, as ``always`` stores every entry) rather than held at full precision
-over the budget, where a batched host's copy would sit beside the live batch it was cut from.
+quantized as it is stored (:meth:`demote_at_insert`, as ``always`` stores every entry) rather
+than held at full precision over the budget, where a batched host's copy would sit beside the
+live batch it was cut from.
 Admission evicts what it lacks at once; a full-precision entry evicted so is counted
 (``evictions_full``). The codec is the caller's ``demote`` callable: the store imports none.
 
