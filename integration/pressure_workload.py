@@ -78,6 +78,7 @@ def check_demoted_not_evicted(srv, always, budget: int) -> None:
     assert any(all(b is not None for b in e["bits"]) for e in stats["entries"])  # demoted
     metrics = scrape(srv)
     assert metrics["kvplugin_demotions_total"] == stats["demotions"]
+    assert metrics["kvplugin_demotions_at_insert_total"] == stats["demotions_at_insert"]
     assert metrics["kvplugin_hits_full_total"] == stats["hits_full"] >= 1
     assert metrics["kvplugin_hits_demoted_total"] == stats["hits_demoted"]
     assert always.get("/kvplugin/stats")["demotions"] == 0

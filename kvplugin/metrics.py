@@ -44,6 +44,8 @@ COUNTERS = (
     ("pressure_evictions", "Stored entries evicted to admit a request.", "pressure_evictions"),
     ("demotions", "Stored entries quantized in place under --kv-cache-quantization-policy "
      "pressure, instead of being evicted.", "demotions"),
+    ("demotions_at_insert", "Entries quantized as they were stored under the pressure policy: "
+     "the budget could not hold them at full precision.", "demotions_at_insert"),
     ("evictions_full", "Entries evicted at full precision under the pressure policy: an insert "
      "or admission needed the room before the demotion worker had made it.", "evictions_full"),
     ("bytes_saved_by_demotion", "Bytes demotions took off stored entries (full precision - "

@@ -8,10 +8,13 @@ is the service's, and lives here so the service's own module stays one job.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["quantizes_at_store", "store_demotion"]
+from kvplugin.cache.layers import entry_nbytes
+
+__all__ = ["fit_at_insert", "quantizes_at_store", "store_demotion"]
 
 
 def quantizes_at_store(settings: Any) -> bool:
@@ -40,3 +43,26 @@ def store_demotion(service: Any) -> dict[str, Any]:
         service._event("demote", len(tokens), cache, seconds)
 
     return {"demote": demote, "on_demote": on_demote}
+
+
+def fit_at_insert(service: Any, model_key: Any, tokens: Sequence[int],
+                  entry: list) -> tuple[list, bool]:
+    """``entry`` as the store takes it under the pressure policy, and whether it was demoted
+    here: as it is where the budget holds it at full precision, else quantized on this thread
+    (as ``always`` stores it) before it is evaluated, because a batched host hands a lazy copy
+    of rows its live batch still holds, and evaluating it at full precision would hold both."""
+    store, nbytes = service.store, entry_nbytes(entry)
+    if store.demote is None:
+        return entry, False
+    if store.fits_at_full_precision(model_key, tokens, nbytes):
+        if store.above_high_water(nbytes):
+            # under pressure its copy is not made on buffers MLX keeps cached (as ``always``
+            # hands them back after each store's quantize)
+            service.release_memory()
+        return entry, False
+    start = time.perf_counter()
+    quantized = store.demote_at_insert(model_key, tokens, entry)
+    if quantized is None:
+        return entry, False
+    service._event("quantize", len(tokens), quantized, time.perf_counter() - start)
+    return quantized, True

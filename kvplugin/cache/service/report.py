@@ -22,8 +22,8 @@ __all__ = ["COLD_FIELDS", "Reporting", "describe_entry"]
 _UNLIMITED = 1 << 62
 #: the cold tier's counters reported flat as ``cold_<name>`` (the SSD tier keeps them all)
 #: the pressure policy's store counters, reported under their own names
-DEMOTION_FIELDS = ("demotions", "evictions_full", "bytes_saved_by_demotion", "hits_full",
-                   "hits_demoted")
+DEMOTION_FIELDS = ("demotions", "demotions_at_insert", "evictions_full",
+                   "bytes_saved_by_demotion", "hits_full", "hits_demoted")
 COLD_FIELDS = ("corrupt", "unreadable", "refused", "puts", "evictions", "write_failures",
                "leftovers_removed", "symlinks", "disk_bytes")
 

@@ -37,7 +37,7 @@ from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.service.holdings import Holdings
 from kvplugin.cache.service.idle_hold import IdleHold
 from kvplugin.cache.service.persist import Persistence
-from kvplugin.cache.service.pressure import quantizes_at_store, store_demotion
+from kvplugin.cache.service.pressure import fit_at_insert, quantizes_at_store, store_demotion
 from kvplugin.cache.service.report import Reporting
 from kvplugin.cache.service.counters import BatchPlan, Counters, entry_codec
 from kvplugin.cache.service.fit import ModelChecker
@@ -222,6 +222,8 @@ class KVService(Holdings, Persistence, Reporting):
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
         entry = self._prepare_owned(model_key, tokens, cache)
+        if entry is cache and self.store.demote is not None:
+            entry = list(cache)  # the host's list must not keep layers a demotion replaces
         if entry is not cache:
             # The host may keep its list object a while (mlx-lm's loop holds the last
             # response): drop its references now so a replaced full-precision original is
@@ -256,6 +258,8 @@ class KVService(Holdings, Persistence, Reporting):
         """
         if prompt_len is None:
             prompt_len = self._recent_prompts.prompt_len(model_key, tokens)
+        # under pressure: quantized here, not evaluated, where the budget cannot hold it
+        entry, demoted = fit_at_insert(self, model_key, tokens, entry)
         # Where another thread may take it (a cold tier's spill or shut-down flush, the demotion
         # worker, a host that serves it elsewhere), evaluated here: MLX cannot run a graph made
         # on this thread's streams there. Otherwise lazy: its copy is made once the live cache
@@ -263,7 +267,7 @@ class KVService(Holdings, Persistence, Reporting):
         if self.evaluate_at_store or self.store.cold is not None or self.store.demote is not None:
             mx.eval(entry_arrays(entry))
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len,
-                                   cold_only=self.idle_hold is not None
+                                   demoted=demoted, cold_only=self.idle_hold is not None
                                    and not self.idle_hold.may_hold())
         if stored:
             self._event("store", len(tokens), entry)

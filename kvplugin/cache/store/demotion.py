@@ -6,13 +6,14 @@ quantize and a restore even when memory is plentiful. With the ``pressure`` poli
 stored at full precision, and only the bytes the budget cannot hold are bought back by the codec:
 least recently used first (the entry a conversation just stored last), ahead of need on a worker
 thread once the hot tier passes :data:`HIGH_WATER` of its budget or leaves no room for another
-entry like the last one. A request's thread never runs the codec to make room: an insert evicts
-what the budget still lacks once the entry it stores is demoted in turn (its quantized size
-estimated from the last demotion), so the store holds more than its budget only by that
-entry's pending demotion, as ``always`` holds an entry beside its quantized copy while it
-stores it; admission evicts what it lacks at once. A full-precision entry evicted so is
-counted (``evictions_full``). The codec is the caller's ``demote`` callable: the store
-imports none.
+entry like the last one. The hot tier never holds more than its budget: an entry enters at full
+precision only where the budget holds it beside what is stored (:meth:`fits_at_full_precision`);
+one that does not (every other entry demoted already, or the worker still at work) is
+quantized as it is stored (:meth:`demote_at_insert`, as ``always`` stores every entry) rather
+than held at full precision over the budget, where a batched host's copy would sit beside the
+live batch it was cut from.
+Admission evicts what it lacks at once; a full-precision entry evicted so is counted
+(``evictions_full``). The codec is the caller's ``demote`` callable: the store imports none.
 
 A fetch is never blocked behind the codec: the entry stays stored while its copy is quantized,
 and the quantized layers replace it only if it is still stored then (a hit in the meantime is a
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvplugin.cache.layers import entry_nbytes, layer_bits
+from kvplugin.cache.store.index import to_key
 
 __all__ = ["Demote", "Demotion", "HIGH_WATER", "OnDemote"]
 
@@ -44,8 +46,8 @@ Demote = Callable[[Any, Sequence[int], list], "list | None"]
 #: ``on_demote(tokens, cache, seconds)``: the worker demoted an entry, its codec taking ``seconds``.
 OnDemote = Callable[[Sequence[int], list, float], None]
 
-DEMOTION_COUNTERS = ("demotions", "evictions_full", "bytes_saved_by_demotion", "hits_full",
-                     "hits_demoted")
+DEMOTION_COUNTERS = ("demotions", "demotions_at_insert", "evictions_full",
+                     "bytes_saved_by_demotion", "hits_full", "hits_demoted")
 
 
 class Demotion:
@@ -60,20 +62,48 @@ class Demotion:
         self._idle.set()
         self._worker: threading.Thread | None = None
         self._stopping = False
-        self._last_price = 0  # the last stored entry's bytes: the room the worker keeps
-        self._ratio = 1.0  # quantized / full-precision bytes of the last demotion
+        self._last_price = 0  # the last full-precision entry's bytes: the room the worker keeps
         self._c.update(dict.fromkeys(DEMOTION_COUNTERS, 0))
 
-    def _new_entry_precision(self, entry: Any, *, inserted: bool = True) -> None:
+    def _new_entry_precision(self, entry: Any, *, inserted: bool = True,
+                             demoted: bool = False) -> None:
         """Under the lock, as an entry is stored: whether it is a candidate for demotion."""
+        entry.demoted = demoted
         entry.demotable = self.demote is not None and all(
             layer_bits(layer) is None for layer in entry.cache)
-        if inserted:
+        if inserted and entry.demotable:
             self._last_price = entry.nbytes
 
-    def _pending(self, entry: Any) -> int:
-        """Under the lock: the bytes ``entry``'s demotion is expected to take off it."""
-        return int(entry.nbytes * (1.0 - self._ratio)) if entry.demotable else 0
+    def fits_at_full_precision(self, model_key: Any, tokens: Sequence[int], nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` at full precision fits the budget beside what is
+        stored (less the shorter entries of its conversation it supersedes), evicting nothing."""
+        with self._lock:
+            held = self._index.nbytes - sum(
+                e.nbytes for _, e in self._index.prefixes_of(model_key, to_key(tokens)))
+            return held + nbytes <= self.max_bytes
+
+    def above_high_water(self, nbytes: int) -> bool:
+        """Whether storing ``nbytes`` more would put the hot tier above its high-water mark
+        (the worker will demote to make room again)."""
+        with self._lock:
+            return self._index.nbytes + nbytes > self._high_water()
+
+    def demote_at_insert(self, model_key: Any, tokens: Sequence[int], cache: list) -> list | None:
+        """``cache`` quantized on the caller's thread, an entry the budget cannot hold at full
+        precision (None: the codec declined or failed). The codec consumes ``cache`` itself,
+        so each full-precision layer goes as soon as its quantized one is made."""
+        before = entry_nbytes(cache)
+        try:
+            demoted = self.demote(model_key, tokens, cache)
+        except Exception:
+            log.exception("kvplugin: quantizing an entry to store failed; stored as it is")
+            demoted = None
+        if not demoted:
+            return None
+        with self._lock:
+            self._c["demotions_at_insert"] += 1
+            self._c["bytes_saved_by_demotion"] += before - entry_nbytes(demoted)
+        return demoted
 
     def _high_water(self) -> float:
         """Under the lock: the bytes above which the worker demotes ahead of need: room for the
@@ -115,7 +145,11 @@ class Demotion:
             self._owner[id(demoted[0])] = entry
             self._c["demotions"] += 1
             self._c["bytes_saved_by_demotion"] += before - entry.nbytes
-            self._ratio = entry.nbytes / before
+        if self.after_evictions is not None:  # the full-precision layers are let go only now
+            try:
+                self.after_evictions()
+            except Exception:
+                log.exception("kvplugin: after_evictions hook failed")
         if self.on_demote is not None:
             try:
                 self.on_demote(tokens, demoted, seconds)
@@ -124,12 +158,11 @@ class Demotion:
         return True
 
     def _make_room(self, n_bytes: int, n_entries: int | None, keep: Any = None) -> list:
-        """Under the lock: evict what does not fit once ``keep`` (the entry an insert stores)
-        is demoted (returned, to dispose of outside it), then wake the worker if the hot tier
-        is above the high-water mark."""
-        allowance = self._pending(keep) if keep is not None else 0
-        evicted = self._evict_until(n_bytes + allowance,
-                                    1 << 62 if n_entries is None else n_entries, keep=keep)
+        """Under the lock: evict what does not fit beside ``keep`` (the entry an insert stores;
+        returned, to dispose of outside it), then wake the worker if the hot tier is above the
+        high-water mark."""
+        evicted = self._evict_until(n_bytes, 1 << 62 if n_entries is None else n_entries,
+                                    keep=keep)
         self._c["evictions_full"] += sum(1 for e in evicted if e.demotable)
         if self.demote is not None and self._index.nbytes > self._high_water():
             self._nudge()

@@ -249,9 +249,10 @@ class PromptStore(Demotion):
 
     def insert(
         self, model_key: str, tokens: Sequence[int], cache: list, *, nbytes: int | None = None,
-        prompt_len: int | None = None, cold_only: bool = False,
+        prompt_len: int | None = None, demoted: bool = False, cold_only: bool = False,
     ) -> bool:
-        """Store ``cache`` (ownership passes to the store) under ``tokens``.
+        """Store ``cache`` (ownership passes to the store) under ``tokens`` (``demoted``: it
+        was quantized by :meth:`demote_at_insert`).
 
         Returns True if the entry is now kept (hot tier, or cold tier for an
         oversized entry or with ``cold_only``), False if it was rejected.  May evict
@@ -280,7 +281,7 @@ class PromptStore(Demotion):
                         self._c["replaced"] += 1
                 self._owner[id(cache[0])] = entry
                 self._c["stored"] += 1
-                self._new_entry_precision(entry)
+                self._new_entry_precision(entry, demoted=demoted)
                 self.settle_lent(model_key, key, cache)
                 if is_trimmable(cache):
                     for _, prev in self._index.prefixes_of(model_key, key):

@@ -21,7 +21,8 @@ class StoreStats:
     replaced/superseded: see ``docs/store.md``.  lent_copies: hits served from a copy of
     an entry lent to a request in flight; lent_kept: snapshots stored again because
     their continuation could not serve their prefix (``docs/store.md``, *Contention*).
-    demotions (by the worker, ahead of need), evictions_full (evicted at full precision: the
+    demotions (by the worker, ahead of need), demotions_at_insert (entries the budget could not
+    hold at full precision, quantized as they were stored), evictions_full (evicted at full precision: the
     worker had not reached them), bytes_saved_by_demotion, hits_full/hits_demoted (hot hits on full-precision / demoted entries): the pressure policy, ``docs/store.md``.
     bytes_by_kind: hot bytes per layer class name.  cold_entries/cold_bytes: from the cold tier if it exposes
     ``__len__``/``nbytes``; ``None`` when there is no cold tier (never a fake -1).
@@ -45,6 +46,7 @@ class StoreStats:
     lent_copies: int = 0
     lent_kept: int = 0
     demotions: int = 0
+    demotions_at_insert: int = 0
     evictions_full: int = 0
     bytes_saved_by_demotion: int = 0
     hits_full: int = 0

@@ -1,19 +1,24 @@
 """Precision as a tier: ``kvplugin bench --pressure``.
 
-Real ``mlx_lm.server`` processes (its sequential path by default: the budget is then the
-store's alone; on the batched path mlx-lm also trims the store by the batch's live caches on
-every admission, ``--path batched``), stock beside kvplugin's two
-quantization policies, ``always`` and ``pressure``, at the same bits:
+Real host processes, stock beside kvplugin's two quantization policies, ``always`` and
+``pressure``, at the same bits: ``mlx_lm.server`` (``--host mlx-lm``, the default) on its
+sequential path (seeded requests: the budget is then the store's alone) or ``--path batched``
+(mlx-lm also trims the store by the batch's live caches on every admission), or ``vllm-mlx
+serve`` (``--host vllm-mlx``) in its ``simple`` mode or ``--path continuous-batching``; the
+budget is the host's own flag (``--prompt-cache-bytes``; ``--cache-memory-mb``, whole MiB):
 
 * **room to spare**: one conversation behind a long system prompt, a budget far above it: the
   warm time to first token of its later turns (median), where ``always`` pays a quantize and a
   restore per turn and ``pressure`` a move;
 * **under pressure**: a budget of ``N`` fp16 entries and ``3N`` conversations taking turns
   (every first turn, then every second turn in the same order): the conversations kept (second
-  turns that reused their first turn's prompt), the process's VmHWM and MLX peak, the
-  demotions (all on the store's worker: a request's thread never runs the codec to make room)
-  and the entries evicted at full precision because the worker had not reached them
-  (``evictions_full``).
+  turns that reused their first turn's prompt: the host's ``cached_tokens``, or kvplugin's
+  store where the host reports none, so vllm-mlx's stock reads "-"), the process's VmHWM and
+  MLX peak, the
+  demotions on the store's worker, the entries quantized as they were stored because the budget
+  could not hold them at full precision (``demotions_at_insert``: the codec on the inserting
+  thread, as ``always`` runs it for every entry) and the entries evicted at full precision
+  because the worker had not reached them (``evictions_full``).
   The pressure server's resident memory is sampled over the run (``pressure-memory.json``, and
   a PNG with ``kvplugin[bench]``).
 
@@ -34,11 +39,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from kvplugin.hostspecs import declaration
 from kvplugin.tools import hostcmd, hostproc
 from kvplugin.tools.bench.remote import _prefix
 from kvplugin.tools.client import stream_chat
 
 POLICIES = ("stock", "always", "pressure")
+#: each host's serving paths (the first is its default) and the flags that select them
+PATHS = {"mlx-lm": {"sequential": (), "batched": ()},
+         "vllm-mlx": {"simple": (), "continuous-batching": ("--continuous-batching",)}}
 QUESTIONS = ("What is this about?", "Say more.", "And then?", "Anything else?")
 
 
@@ -124,6 +133,7 @@ def under_pressure(start: Callable[..., Any], systems: list[str], budget: int,
         srv = start(policy, budget)
         sampler = Sampler(srv.pid) if policy == "pressure" else None
         answers, kept, reused = [], 0, []
+        kv = policy != "stock"
         for system in systems:
             reply = stream_chat(srv, [*_conversation(system),
                                       {"role": "user", "content": QUESTIONS[0]}], max_tokens=8,
@@ -131,21 +141,28 @@ def under_pressure(start: Callable[..., Any], systems: list[str], budget: int,
             answers.append(reply.text)
             if policy != "stock":
                 _settled(srv)
+        before = srv.get("/kvplugin/stats") if kv else {}
         for system, answer in zip(systems, answers):
             history = [*_conversation(system), {"role": "user", "content": QUESTIONS[0]},
                        {"role": "assistant", "content": answer},
                        {"role": "user", "content": QUESTIONS[1]}]
             reply = stream_chat(srv, history, max_tokens=8, seed=seed)
-            reused.append(reply.cached_tokens or 0)
-            kept += (reply.cached_tokens or 0) >= kept_from
-            if policy != "stock":
-                _settled(srv)
-        stats = srv.get("/kvplugin/stats") if policy != "stock" else {}
+            got = reply.cached_tokens
+            if kv:
+                after = _settled(srv)
+                if got is None:  # the host does not say: the store's count
+                    got = after["store_tokens_reused"] - before["store_tokens_reused"]
+                before = after
+            reused.append(got)
+            kept += (got or 0) >= kept_from
+        stats = srv.get("/kvplugin/stats") if kv else {}
         out[policy] = {
-            "conversations": len(systems), "kept": kept, "reused_tokens": reused,
+            "conversations": len(systems),
+            "kept": None if None in reused else kept, "reused_tokens": reused,
             "vmhwm_bytes": _status(srv.pid, "VmHWM"),
             "mlx_peak_bytes": stats.get("mlx_peak_memory"),
             "demotions": stats.get("demotions"), "evictions_full": stats.get("evictions_full"),
+            "demotions_at_insert": stats.get("demotions_at_insert"),
             "evictions": stats.get("store_evictions"), "store_bytes": stats.get("store_bytes"),
         }
         if sampler is not None:
@@ -159,18 +176,21 @@ def table(res: dict) -> str:
     ms = lambda s: "-" if s is None else f"{1000 * s:.0f} ms"  # noqa: E731
     mib = lambda b: "-" if not b else f"{b / 2**20:.1f} MiB"  # noqa: E731
     out = [f"{'policy':<9} {'warm TTFT':>10} {'vs stock':>8} {'kept':>7} {'VmHWM':>10} "
-           f"{'MLX peak':>10} {'demotions':>9} {'evicted at full precision':>25}"]
+           f"{'MLX peak':>10} {'demotions':>9} {'at insert':>9} {'evicted at full precision':>25}"]
     for p in POLICIES:
         r, t = room[p], tight[p]
         out.append(
             f"{p:<9} {ms(r['warm_ttft_s']):>10} {r['warm_ttft_s'] / room['stock']['warm_ttft_s']:>7.2f}x "
-            f"{t['kept']:>3}/{t['conversations']:<3} {mib(t['vmhwm_bytes']):>10} "
+            f"{'-' if t['kept'] is None else t['kept']:>3}/{t['conversations']:<3} "
+            f"{mib(t['vmhwm_bytes']):>10} "
             f"{mib(t['mlx_peak_bytes']):>10} {t['demotions'] if t['demotions'] is not None else '-':>9} "
+            f"{'-' if t.get('demotions_at_insert') is None else t['demotions_at_insert']:>9} "
             f"{t['evictions_full'] if t['evictions_full'] is not None else '-':>25}")
     return "\n".join(out)
 
 
-def _plot(rows: list, path: Path) -> bool:
+def _plot(rows: list, path: Path, marks: dict[str, int]) -> bool:
+    """VmRSS over the pressure run, each of ``marks`` (a label: bytes) a horizontal line."""
     try:
         import matplotlib
 
@@ -179,7 +199,11 @@ def _plot(rows: list, path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 3))
-    ax.plot([t for t, _ in rows], [b / 2**20 for _, b in rows])
+    ax.plot([t for t, _ in rows], [b / 2**20 for _, b in rows], label="pressure VmRSS")
+    for (label, value), style in zip(marks.items(), ("--", ":", "-.")):
+        if value:
+            ax.axhline(value / 2**20, linestyle=style, color="gray", label=label)
+    ax.legend(loc="lower right", fontsize=8)
     ax.set_xlabel("seconds"), ax.set_ylabel("VmRSS (MiB)")
     ax.set_title("pressure policy: the server's resident memory over the run")
     fig.tight_layout()
@@ -201,10 +225,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the budget under pressure holds N fp16 entries (default 3)")
     p.add_argument("--conversations", type=int, default=None,
                    help="conversations taking turns under pressure (default 3N)")
-    p.add_argument("--path", choices=("sequential", "batched"), default="sequential",
-                   help="mlx-lm's serving path (seeded requests: sequential; default)")
+    p.add_argument("--host", choices=tuple(PATHS), default="mlx-lm", help="default: mlx-lm")
+    p.add_argument("--path", choices=[q for paths in PATHS.values() for q in paths],
+                   default=None, help="the host's serving path: mlx-lm sequential (seeded "
+                   "requests; its default) or batched, vllm-mlx simple (its default) or "
+                   "continuous-batching")
     p.add_argument("--out", type=Path, default=Path("bench-results/pressure"))
     args = p.parse_args(argv)
+    args.path = args.path or next(iter(PATHS[args.host]))
+    if args.path not in PATHS[args.host]:
+        p.error(f"--path {args.path} is not a path of {args.host} "
+                f"(one of: {', '.join(PATHS[args.host])})")
+    decl = declaration(args.host)
     if not args.tiny:
         from kvplugin.tools import blas
 
@@ -236,10 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             quant = [] if policy == "stock" else [
                 "--kv-cache-quantization-bits", str(args.bits), "--hot-cache-only",
                 "--kv-cache-quantization-policy", policy]
+            fill = {"bytes": budget, "mb": budget >> 20}
             srv = hostproc.ServerProcess(
-                hostcmd.mlx_lm_server_cmd(model, port, "--prompt-cache-bytes", str(budget),
-                                          "--prompt-cache-size", "1000", *quant),
-                port=port, env={"KVPLUGIN_DISABLE": "1"} if policy == "stock" else {},
+                hostcmd.host_cmd(decl, model, port, *(a.format(**fill) for a in decl.budget_args),
+                                 *PATHS[args.host][args.path], *quant),
+                port=port, env={**decl.launch_env,
+                                **({"KVPLUGIN_DISABLE": "1"} if policy == "stock" else {})},
+                model=hostcmd.SERVED_MODEL_NAME if decl.request_needs_model else None,
                 workdir=Path(tmp) / f"{policy}-{budget}-{time.monotonic_ns()}",
                 startup_timeout=300)
             return srv.start()
@@ -248,18 +283,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         room = room_to_spare(start, _prefix(words, args.prefix_tokens, 0, count), 4, seed)
         entry = room["fp16_bytes_per_token"] * (args.prefix_tokens + 40)  # + turn 1
         budget = int(args.fp16_entries * entry)
+        if args.host == "vllm-mlx":
+            budget = round(budget / 2**20) << 20  # --cache-memory-mb takes whole MiB
         systems = [_prefix(words, args.prefix_tokens, i + 1, count)
                    for i in range(args.conversations or 3 * args.fp16_entries)]
         tight = under_pressure(start, systems, budget, args.prefix_tokens // 2, seed)
-    import mlx_lm
-
-    res = {"model": name, "host": f"mlx_lm.server {mlx_lm.__version__}", "bits": args.bits,
+    res = {"model": name, "host": f"{decl.label} {hostcmd.host_version(decl.distribution)}",
+           "bits": args.bits,
            "path": args.path,
            "prefix_tokens": args.prefix_tokens, "budget_bytes": budget,
            "room_to_spare": room, "under_pressure": tight}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pressure.json").write_text(json.dumps(res, indent=1))
-    plotted = _plot(tight.get("pressure_memory") or [], args.out / "pressure-memory.png")
+    plotted = _plot(tight.get("pressure_memory") or [], args.out / "pressure-memory.png",
+                    {f"{p} VmHWM": tight[p]["vmhwm_bytes"] for p in POLICIES})
     text = (f"kvplugin bench --pressure: {res['host']} ({args.path} path), {name}, "
             f"{args.bits}-bit entries, {args.prefix_tokens}-token system prompts; warm TTFT: "
             f"median of turns 2-4 of one conversation, budget unlimited; under pressure: budget "
