@@ -13,7 +13,8 @@ followed by ``~``:
 * ``outN``: per layer and KV head, the N key channels of the largest range over the layer's
   rows (in the basis the codec quantizes: pre-RoPE where the spec says so, before the
   Hadamard) stored fp16 (their bytes counted) and set to their mean in the quantized keys;
-  put back after the rotation is undone, before the RoPE goes back;
+  put back after the rotation is undone, before the RoPE goes back; ``outabsN`` the same,
+  the channels of the largest magnitude (max |k|) instead;
 * ``nuk`` / ``nuv`` / ``nukv``: keys / values / both quantized to Lloyd levels instead of
   uniform ones: levels for groups of 64 Gaussian values normalised to the group's
   [minimum, maximum] (scale-only values: to its [-max|x|, max|x|]), both ends kept as levels
@@ -47,7 +48,7 @@ OUT_ATTR, LEVELS_ATTR = "measured_outlier_keys", "measured_levels"
 
 
 def _reset() -> None:
-    STATE.update(out=0, nuk=False, nuv=False, stash=None, gk=0, gv=0)
+    STATE.update(out=0, nuk=False, nuv=False, stash=None, gk=0, gv=0, absmax=False)
 
 
 _reset()
@@ -125,7 +126,8 @@ def _tokens_nu(x: mx.array, group: int, bits: int, sym: bool) -> tuple:
 
 def _outliers(keys: mx.array, count: int) -> tuple[mx.array, tuple]:
     k = keys.astype(mx.float32)
-    idx = mx.argsort(-(k.max(axis=-2) - k.min(axis=-2)), axis=-1)[..., :count]
+    size = mx.abs(k).max(axis=-2) if STATE["absmax"] else k.max(axis=-2) - k.min(axis=-2)
+    idx = mx.argsort(-size, axis=-1)[..., :count]
     picked = (mx.arange(keys.shape[-1]) == idx[..., None]).any(axis=-2)
     kept = mx.where(picked[..., None, :], k.mean(axis=-2, keepdims=True), k).astype(keys.dtype)
     cols = mx.take_along_axis(keys, mx.broadcast_to(idx[..., None, :], (*keys.shape[:-1], count)),
@@ -225,6 +227,8 @@ def parse_codec(spec: str) -> dict:
     for t in tokens:
         if t.startswith("out") and t[3:].isdigit():
             STATE["out"] = int(t[3:])
+        elif t.startswith("outabs") and t[6:].isdigit():
+            STATE["out"], STATE["absmax"] = int(t[6:]), True
         elif t[:2] in ("gk", "gv") and t[2:].isdigit():
             STATE[t[:2]] = int(t[2:])
         elif t in ("nuk", "nuv", "nukv"):
