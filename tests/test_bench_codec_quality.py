@@ -98,7 +98,7 @@ def test_the_default_codecs_are_what_the_settings_resolve():
         plan = codec_plan(resolve_settings({"kv_cache_quantization_bits": bits}))
         assert spec == (f"{plan.codec}-k{plan.key_bits}v{plan.value_bits}-g{plan.group_size}"
                         f"-s{plan.sink_tokens}r{plan.recent_tokens}"
-                        f"{'+prerope-windows' if plan.prerope_keys else ''}")
+                        f"{'+prerope-served' if plan.prerope_keys else ''}")
 
 
 def test_pre_rope_keys_follow_each_slot_of_a_wrapped_ring():

@@ -59,6 +59,9 @@ DEFAULT_BITS = (8, 4, 3)
 PLAIN_K8 = "+plaink8"
 #: ... or keys pre-RoPE on rotating (window, bounded) layers only, plain ones post-RoPE
 PRE_ROPE_WINDOWS = "+prerope-windows"
+#: ... or keys pre-RoPE where a server takes them out: every layer of an entry with a
+#: rotating layer, none of an all-plain entry (``prerope.window_ropes``)
+PRE_ROPE_SERVED = "+prerope-served"
 _SPEC = re.compile(r"(affine|rotated|rotated-channel|rotated-channel-sym)"
                    r"-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
 
@@ -67,7 +70,7 @@ def parse_codec(spec: str) -> dict[str, Any]:
     """``rotated-k4v4-g64-s4r32`` -> quantize_entry keyword arguments (the ``+prerope`` and
     ``+plaink8`` suffixes aside)."""
     m = _SPEC.fullmatch(spec.removesuffix(PLAIN_K8).removesuffix(PRE_ROPE)
-                        .removesuffix(PRE_ROPE_WINDOWS))
+                        .removesuffix(PRE_ROPE_WINDOWS).removesuffix(PRE_ROPE_SERVED))
     if not m:
         raise ValueError(f"codec spec {spec!r} is not CODEC-kKvV-gG-sSrR")
     return dict(codec=m[1], bits=int(m[2]), value_bits=int(m[3]), group_size=int(m[4]),
@@ -76,8 +79,8 @@ def parse_codec(spec: str) -> dict[str, Any]:
 
 def default_codecs() -> dict[str, int]:
     """The default codec of each ``--kv-cache-quantization-bits`` of :data:`DEFAULT_BITS`,
-    as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves; a
-    server stores pre-RoPE keys on rotating layers only)."""
+    as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves, with
+    pre-RoPE keys where a server stores them)."""
     from types import SimpleNamespace
 
     from kvplugin.codecs import codec_plan
@@ -90,7 +93,7 @@ def default_codecs() -> dict[str, int]:
             kv_cache_quantization_group_size=64))
         out[f"{plan.codec}-k{plan.key_bits}v{plan.value_bits}-g{plan.group_size}"
             f"-s{plan.sink_tokens}r{plan.recent_tokens}"
-            f"{PRE_ROPE_WINDOWS if plan.prerope_keys else ''}"] = bits
+            f"{PRE_ROPE_SERVED if plan.prerope_keys else ''}"] = bits
     return out
 
 
@@ -134,6 +137,7 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc, *,
     from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
     from kvplugin.cache.layers.trim import trim_entry
     from kvplugin.cache.model.rope import key_ropes
+    from kvplugin.cache.codec.prerope import window_ropes
     from mlx_lm.models.cache import KVCache
 
     from kvplugin.cache.bounded.prealloc import bound_cache
@@ -189,8 +193,10 @@ def _one_prompt(model, ids: list[int], plen: int, cont: int, specs, acc, *,
     windows = ropes and tuple(r if type(c) is not KVCache else None
                               for r, c in zip(ropes, fresh()))
     for spec in specs:
-        pre = (ropes if spec.removesuffix(PLAIN_K8).endswith(PRE_ROPE) else
-               windows if spec.removesuffix(PLAIN_K8).endswith(PRE_ROPE_WINDOWS) else None)
+        base = spec.removesuffix(PLAIN_K8)
+        pre = (ropes if base.endswith(PRE_ROPE) else
+               windows if base.endswith(PRE_ROPE_WINDOWS) else
+               window_ropes(fp16, ropes) if base.endswith(PRE_ROPE_SERVED) else None)
         source = copy.deepcopy(fp16)
         t0 = time.perf_counter()
         q = quantize_entry(source, **parse_codec(spec), key_ropes=pre)
