@@ -181,3 +181,33 @@ def test_hot_cache_only_keeps_entries_in_memory_within_max_bytes(start_server):
     stats = srv.get("/kvplugin/stats")
     assert 0 < stats["store_bytes"] <= budget, stats
     assert stats["store_evictions"] >= 1 and stats["cold_tier"] is None, stats
+
+@pytest.mark.parametrize("path", ["batched", "single"])
+def test_pressure_keeps_the_conversation_in_progress_full_precision(start_server, tmp_path,
+                                                                    path):
+    """With ``--kv-cache-quantization-policy pressure`` the conversation that just ended is
+    held at full precision (its next turn restores nothing and answers as stock's fp16), and
+    what is written out is quantized."""
+    extra = ["--disable-batching"] if path == "single" else []
+    srv = start_server(mlx_openai_server_cmd, *extra, "--prompt-cache-dir", str(tmp_path / "q"),
+                       env={"KVPLUGIN_KV_CACHE_QUANTIZATION_POLICY": "pressure",
+                            "KVPLUGIN_KV_CACHE_MIN_QUANTIZE_TOKENS": "0"})
+    stock = start_server(mlx_openai_server_cmd, *extra, "--prompt-cache-dir",
+                         str(tmp_path / "stock"), env={"KVPLUGIN_DISABLE": "1"})
+    system = {"role": "system", "content": "The town keeps its old clock running. " * 40}
+
+    def chat(server, texts):
+        messages, out = [dict(system)], []
+        for text in texts:
+            messages.append({"role": "user", "content": text})
+            out.append(answer_text(server.chat(messages, max_tokens=8)))
+            messages.append({"role": "assistant", "content": out[-1]})
+        return out
+
+    turns = ("Tell me about the clock tower.", "Who winds it?", "How often?")
+    assert chat(srv, turns) == chat(stock, turns)
+    chat(srv, OTHER[:1])  # writes the first conversation out
+    stats = srv.get("/kvplugin/stats")
+    assert stats["hits_full"] >= 2 and stats["hits_demoted"] == 0, stats
+    assert stats["store_spills"] >= 1, stats
+    assert 0 < stats["cold_disk_bytes"] < 0.6 * stats["store_bytes"], stats  # 8-bit files

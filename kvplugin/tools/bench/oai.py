@@ -30,10 +30,13 @@ from typing import Any
 
 MIB = 1 << 20
 #: each server's environment: stock, kvplugin's default (fp16 entries in files), 8-bit
-#: entries, and fp16 entries in memory (``--hot-cache-only``)
+#: entries, fp16 entries in memory (``--hot-cache-only``), and 8-bit entries under the
+#: pressure policy (full precision while held, quantized when written out)
 SERVER_KINDS = {"stock": {"KVPLUGIN_DISABLE": "1"}, "kvplugin fp16": {},
                 "kvplugin 8-bit": {"KVPLUGIN_KV_CACHE_QUANTIZATION": "1"},
-                "kvplugin fp16 in memory": {"KVPLUGIN_HOT_CACHE_ONLY": "1"}}
+                "kvplugin fp16 in memory": {"KVPLUGIN_HOT_CACHE_ONLY": "1"},
+                "kvplugin 8-bit pressure": {"KVPLUGIN_KV_CACHE_QUANTIZATION": "1",
+                                            "KVPLUGIN_KV_CACHE_QUANTIZATION_POLICY": "pressure"}}
 
 
 def _filled_cache(model: Any, tokens: list[int]) -> list:
@@ -221,8 +224,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(--disable-batching)")
     p.add_argument("--no-servers", action="store_true",
                    help="the in-process entry costs only (no real servers)")
+    p.add_argument("--servers", default=",".join(SERVER_KINDS),
+                   help="which servers, comma separated (default: all; stock always runs)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args(argv)
+    unknown = set(args.servers.split(",")) - set(SERVER_KINDS)
+    if unknown:
+        p.error(f"--servers: unknown {sorted(unknown)}; known: {', '.join(SERVER_KINDS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.out.mkdir(parents=True, exist_ok=True)
     everything = {}
@@ -233,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                   "servers": {} if args.no_servers else {
                       kind: conversation(model_dir, kind, args.prompt_tokens, args.turns,
                                          args.max_tokens, args.mode)
-                      for kind in SERVER_KINDS}}
+                      for kind in dict.fromkeys(["stock", *args.servers.split(",")])}}
         print(report(name, result), flush=True)
         everything[name] = result
     (args.out / "oai.json").write_text(json.dumps(everything, indent=2, default=str))
