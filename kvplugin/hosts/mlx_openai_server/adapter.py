@@ -112,29 +112,39 @@ class MlxOpenaiServerAdapter(HostAdapter, declaration=MLX_OPENAI_SERVER):
     # -- settings and service (model process) --------------------------------------------
     def create_service(self, *, max_bytes: int | None, max_entries: int | None,
                        cache_dir: Any = None) -> tuple[Any, Any]:
-        """The model process's service and the private directory of its entries (or None):
-        the settings from the environment the server handed down, entries kept where
-        :func:`where_entries_live` says. A bad value stops it."""
-        from kvplugin.hosts.mlx_openai_server.prompt_cache import where_entries_live
+        """The model process's service and the private directory of its entries (or None),
+        from the settings the server handed down (:meth:`build_service`), with the child's
+        batch caches patched. A bad value stops it."""
         from kvplugin.settings import SettingsError
 
         try:
-            budget = None if max_bytes is None or max_bytes >= _NO_BUDGET else int(max_bytes)
-            settings, between_requests, scratch = where_entries_live(cache_dir, budget)
-            service = self.make_session(settings, max_bytes=budget, max_entries=max_entries)
-            if between_requests:
-                service.hold_between_requests()
+            service, scratch = self.build_service(
+                cache_dir, None if max_bytes is None or max_bytes >= _NO_BUDGET
+                else int(max_bytes), max_entries=max_entries)
         except SettingsError as err:
             fail_start(str(err), hard=True)
-        # Its single-request path serves a stored entry on another thread than the one that
-        # built it: entries are evaluated when stored.
-        service.evaluate_at_store = True
         with self._state_lock:
-            self.settings = settings
+            self.settings = service.settings
             self.service = service
         for cls, step in service.batch_plan().steps.items():  # BatchGenerator's caches
             self.child_patches.replace(getattr(self._cache_mod, cls), "step", step)
         self.say_active(service)
+        return service, scratch
+
+    def build_service(self, cache_dir: Any, max_bytes: int | None, *,
+                      max_entries: int | None = None,
+                      flags: Any = None) -> tuple[Any, Any]:
+        """The service as this host runs it, entries kept where :func:`where_entries_live`
+        says (``flags``: settings given as flags); raises ``SettingsError``."""
+        from kvplugin.hosts.mlx_openai_server.prompt_cache import where_entries_live
+
+        settings, between_requests, scratch = where_entries_live(cache_dir, max_bytes, flags)
+        service = self.make_session(settings, max_bytes=max_bytes, max_entries=max_entries)
+        if between_requests:
+            service.hold_between_requests()
+        # Its single-request path serves a stored entry on another thread than the one that
+        # built it: entries are evaluated when stored.
+        service.evaluate_at_store = True
         return service, scratch
 
     # -- uninstall ---------------------------------------------------------------------------

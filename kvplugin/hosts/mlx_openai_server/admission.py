@@ -39,9 +39,10 @@ def _wrap_build(adapter: Any, original: Callable, refusals: dict) -> Callable:
     async def _build_inference_context(handler: Any, request: Any, *args: Any, **kw: Any):
         ctx = await original(handler, request, *args, **kw)
         service = adapter.service
-        if service is not None:
-            service.request_started(id(request))
-        if service is not None and service.admission_on:
+        if service is None:
+            return ctx
+        service.request_started(id(request))
+        if service.admission_on:
             from kvplugin.cache.memory.footprint import AdmissionRefused
 
             try:

@@ -56,24 +56,15 @@ def _evaluated(cache: list) -> None:
 
 
 def _kvplugin_cache(bits: int | None, cache_dir: str, *, in_memory: bool = False) -> Any:
-    """kvplugin's prompt cache of the host on its own service (fp16 or ``bits`` entries),
-    its entries where the host's adapter keeps them (``cache_dir``), or in memory."""
-    from kvplugin.cache.service.service import KVService
-    from kvplugin.hosts.mlx_openai_server.prompt_cache import (
-        KVPluginOaiPromptCache,
-        where_entries_live,
-    )
-    from kvplugin.plugins import get_plugin_manager
+    """kvplugin's prompt cache of the host on the service its adapter builds (fp16 or
+    ``bits`` entries), its entries where the adapter keeps them (``cache_dir``), or in memory."""
+    from kvplugin.hosts.mlx_openai_server.adapter import ADAPTER
+    from kvplugin.hosts.mlx_openai_server.prompt_cache import KVPluginOaiPromptCache
 
     flags: dict[str, Any] = {"hot_cache_only": in_memory}
     if bits is not None:
         flags.update(kv_cache_quantization=True, kv_cache_quantization_bits=bits)
-    settings, between_requests, _ = where_entries_live(cache_dir, None, flags)
-    service = KVService(settings, host="mlx-openai-server", hook=get_plugin_manager().hook,
-                        max_bytes=None, max_entries=10)
-    service.evaluate_at_store = True
-    if between_requests:
-        service.hold_between_requests()
+    service, _ = ADAPTER.build_service(cache_dir, None, max_entries=10, flags=flags)
     KVPluginOaiPromptCache.adapter = types.SimpleNamespace(
         create_service=lambda **kw: (service, None))
     return KVPluginOaiPromptCache(10, 1 << 63, cache_dir)
