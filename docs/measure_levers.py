@@ -6,6 +6,7 @@ bench process, so the measured levers cost the engine no code. Two modes:
 
     python docs/measure_levers.py quality [kvplugin bench --quality --real-model options]
     python docs/measure_levers.py restore [rounds]
+    python docs/measure_levers.py state BITS [kvplugin bench --quality --hybrid options]
 
 ``quality`` runs the real-model codec bench; a codec spec may start with lever tokens, each
 followed by ``~``:
@@ -21,12 +22,17 @@ followed by ``~``:
   so that a group's extremes stay exact; the same scale and minimum are stored, so the
   bytes are today's; the restore looks each code's level up;
 * ``gkN`` / ``gvN``: plain (unbounded, global) layers' keys / values at N bits, the rings' as
-  the spec says (bits per layer).
+  the spec says (bits per layer);
+* ``ktN``: per-channel keys in groups of N tokens, values in the spec's groups along the head
+  (the spec's ``gG`` is both today).
 
 ``restore`` times ``dequantize_entry`` on a SmolLM2-shaped fp16 entry (30 layers x 3 KV heads
 x 64; 1,200 tokens plain, or rings of 512 wrapped) at the 4-bit default, today's numpy
 restore against the same with the level lookups (keys, keys and values) or N fp16 key
 channels written back, interleaved, in ms per MiB of fp16 entry.
+
+``state`` runs the hybrid bench with recurrent state quantized at ``BITS`` instead of 8 (its
+rows still say "8-bit" for the quantized state).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ OUT_ATTR, LEVELS_ATTR = "measured_outlier_keys", "measured_levels"
 
 
 def _reset() -> None:
-    STATE.update(out=0, nuk=False, nuv=False, stash=None, gk=0, gv=0, absmax=False)
+    STATE.update(out=0, nuk=False, nuv=False, stash=None, gk=0, gv=0, absmax=False, kt=0)
 
 
 _reset()
@@ -231,6 +237,8 @@ def parse_codec(spec: str) -> dict:
             STATE["out"], STATE["absmax"] = int(t[6:]), True
         elif t[:2] in ("gk", "gv") and t[2:].isdigit():
             STATE[t[:2]] = int(t[2:])
+        elif t.startswith("kt") and t[2:].isdigit():
+            STATE["kt"] = int(t[2:])
         elif t in ("nuk", "nuv", "nukv"):
             STATE["nuk"] = STATE["nuk"] or "k" in t[2:]
             STATE["nuv"] = STATE["nuv"] or "v" in t[2:]
@@ -249,7 +257,27 @@ class _Spec(str):
         return str.endswith(self.split("~")[-1], s)
 
 
+def _key_groups() -> None:
+    """Per-channel keys' token group as ``ktN`` says, wherever the codec groups keys."""
+    def kt(group: int) -> int:
+        return STATE["kt"] or group
+
+    quant, dequant, rows_of = (channel.quantize_channels, channel.dequantize_channels,
+                               channel.scale_rows)
+    per_channel, chunks = cpu_dequantize._per_channel, rows.in_row_chunks
+    channel.quantize_channels = lambda x, group, bits: quant(x, kt(group), bits)
+    channel.dequantize_channels = lambda parts, n, group, bits, dtype: dequant(
+        parts, n, kt(group), bits, dtype)
+    channel.scale_rows = rotating.scale_rows = lambda tokens, group: rows_of(tokens, kt(group))
+    cpu_dequantize._per_channel = lambda parts, n, group, bits: per_channel(
+        parts, n, kt(group), bits)
+    # row chunks end on a whole key group
+    rows.in_row_chunks = lambda x, encode, chunk, group: chunks(
+        x, encode, chunk, max(kt(group), group))
+
+
 def install() -> None:
+    _key_groups()
     rows.encode_rows = rotating.encode_rows = qz.encode_rows = encode_rows
     rows.restore_rows = rotating.restore_rows = qz.restore_rows = restore_rows
     rotating.quantize_rotating = lambda *a, **k: _tagged(_quantize_rotating(*a, **k))
@@ -348,6 +376,13 @@ if __name__ == "__main__":
     mode, rest = sys.argv[1], sys.argv[2:]
     if mode == "restore":
         restore_times(int(rest[0]) if rest else 9)
+    elif mode == "state":
+        from kvplugin.cache.codec import state
+        from kvplugin.tools.bench import state_quality
+
+        state.STATE_BITS = int(rest[0])
+        state.quantize_state.__defaults__ = (state.STATE_BITS,)
+        sys.exit(state_quality.main(["--quality", "--hybrid", *rest[1:]]))
     else:
         install()
         sys.exit(cq.main(rest))
