@@ -47,7 +47,7 @@ def _rms(a: mx.array, b: mx.array) -> float:
 
 
 @pytest.mark.parametrize("codec", ["rotated", "rotated-channel", "rotated-channel-sym"])
-@pytest.mark.parametrize("kbits,vbits", [(8, 8), (4, 4), (2, 2), (8, 4)])
+@pytest.mark.parametrize("kbits,vbits", [(8, 8), (4, 4), (2, 2), (8, 4), (5, 4), (3, 4), (6, 8), (4, 3), (5, 5), (8, 6)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_numpy_restore_equals_mlx_kernels(codec, kbits, vbits, dtype, monkeypatch):
     n = 150  # not a multiple of the group: the per-channel keys' last group is short
@@ -80,20 +80,21 @@ def test_a_trimmed_entry_restores_its_first_tokens_the_same_on_both_paths(codec,
     assert _same(here.values, mlx_kernels.values, mx.float16)
 
 
-def test_the_numpy_path_takes_rotated_byte_filling_codes_on_the_cpu_only(monkeypatch):
+def test_the_numpy_path_takes_rotated_codes_on_the_cpu_only(monkeypatch):
     assert mx.default_device() == mx.cpu  # this suite runs MLX on the CPU
     assert cpu_restore.restores_here("rotated-channel", 4, 4)
     assert cpu_restore.restores_here("rotated-channel-sym", 8, 2)
     assert not cpu_restore.restores_here("affine", 8, 8)  # one fused MLX kernel already
-    assert not cpu_restore.restores_here("rotated-channel", 3, 4)
-    assert not cpu_restore.restores_here("rotated", 4, 6)
+    assert cpu_restore.restores_here("rotated-channel", 5, 4)  # codes straddling bytes
+    assert cpu_restore.restores_here("rotated", 4, 3)
+    assert cpu_restore.restores_here("rotated", 4, 6)
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # no GPU backend to switch to
     assert not cpu_restore.restores_here("rotated-channel", 4, 4)
 
 
 def test_a_real_restore_takes_the_numpy_path_on_the_cpu(monkeypatch):
-    """Through dequantize_entry, unpatched: a 4-bit rotated layer goes to numpy, 8-bit
-    affine and 3-bit to MLX's kernels."""
+    """Through dequantize_entry, unpatched: 4- and 3-bit rotated layers go to numpy, 8-bit
+    affine to MLX's kernel."""
     taken = []
     real = cpu_restore.restore_layer
     monkeypatch.setattr(quantize_rows, "restore_layer", lambda *a: taken.append(a[1]) or real(*a))
@@ -101,4 +102,4 @@ def test_a_real_restore_takes_the_numpy_path_on_the_cpu(monkeypatch):
         stored = quantize_entry(_entry(80, mx.float16), bits=bits, group_size=64, codec=codec,
                                 ).cache
         assert dequantize_entry(stored)[0].keys.shape == (1, H, 80, D)
-    assert taken == ["rotated-channel"]
+    assert taken == ["rotated-channel", "rotated-channel"]

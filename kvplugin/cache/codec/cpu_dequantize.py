@@ -9,8 +9,9 @@ the CPU"). On a GPU MLX's kernels stay in charge (:mod:`kvplugin.cache.codec.qua
 there the whole restore is a few Metal kernels.
 
 Same arithmetic as the MLX path (fp32 ``codes * scale + minimum``, the rotation's transpose),
-so a layer restores to within float rounding of it (a test holds them within two ulps). Code
-widths that do not fill whole bytes (3, 5, 6 bits) and ``affine`` keep the MLX path.
+so a layer restores to within float rounding of it (a test holds them within two ulps).
+Codes of every width are one little-endian bit stream (``mx.quantize``'s packing and
+:func:`kvplugin.cache.codec.channel.pack_codes` alike). ``affine`` keeps the MLX path.
 """
 
 from __future__ import annotations
@@ -25,16 +26,18 @@ __all__ = ["dequantize", "restores_here", "restore_layer"]
 
 #: Code widths whose codes fill whole bytes: read as bytes, no code straddles two
 BYTE_FILLING_BITS = (2, 4, 8)
+#: Widths whose codes straddle bytes: 8 codes in every ``bits`` bytes of the stream
+STREAM_BITS = (3, 5, 6)
 
 
 def restores_here(codec: str, key_bits: int, value_bits: int) -> bool:
-    """This path takes the layer: MLX on the CPU, a rotated codec, codes that fill bytes.
+    """This path takes the layer: MLX on the CPU, a rotated codec.
 
     ``affine`` (the 8-bit default) stays with MLX: its restore is one fused
     ``mx.dequantize`` kernel, and the copy into MLX and fresh pages cost what numpy's faster
     passes would save. The gain is the rotation."""
     return (mx.default_device() == mx.cpu and codec != "affine"
-            and all(b in BYTE_FILLING_BITS for b in (key_bits, value_bits)))
+            and all(b in BYTE_FILLING_BITS + STREAM_BITS for b in (key_bits, value_bits)))
 
 
 def dequantize(words: mx.array, scales: mx.array, biases: mx.array, group_size: int,
@@ -76,6 +79,8 @@ def _codes(words: mx.array, n: int, bits: int) -> np.ndarray:
     at bit ``j * bits``, little-endian) -> the first ``n`` rows' codes as ``(..., n, W*32/bits)``
     uint8."""
     octets = np.ascontiguousarray(np.asarray(words)[..., :n, :]).view(np.uint8)
+    if 8 % bits:
+        return _stream_codes(octets, bits)
     per = 8 // bits
     if per == 1:
         return octets
@@ -84,6 +89,21 @@ def _codes(words: mx.array, n: int, bits: int) -> np.ndarray:
     for i in range(per):
         np.bitwise_and(np.right_shift(octets, i * bits), mask, out=codes[..., i::per])
     return codes
+
+
+def _stream_codes(octets: np.ndarray, bits: int) -> np.ndarray:
+    """Codes of a little-endian bit stream whose codes straddle bytes: every ``bits`` bytes
+    hold 8 codes, read as one 64-bit word."""
+    *lead, nbytes = octets.shape
+    chunks = octets.reshape(*lead, nbytes // bits, bits)
+    word = np.zeros(chunks.shape[:-1], np.uint64)
+    for i in range(bits):
+        word |= chunks[..., i].astype(np.uint64) << np.uint64(8 * i)
+    codes = np.empty((*chunks.shape[:-1], 8), np.uint8)
+    mask = np.uint64((1 << bits) - 1)
+    for j in range(8):
+        codes[..., j] = (word >> np.uint64(j * bits)) & mask
+    return codes.reshape(*lead, nbytes * 8 // bits)
 
 
 def _per_token(parts: Any, n: int, group: int, bits: int) -> np.ndarray:
