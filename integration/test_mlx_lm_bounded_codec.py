@@ -47,9 +47,9 @@ def smollm2_dir(tmp_path_factory):
     return build_smollm2(tmp_path_factory.mktemp("smollm2") / "float32")
 
 
-def _run(start_server, model_dir, *flags: str) -> tuple[list[dict], dict]:
-    srv = start_server(harness.mlx_lm_server_cmd, *flags, model_dir=model_dir,
-                       env={**blas.preload_env(), "KVPLUGIN_MAX_KV_SIZE": str(N)})
+def ask_chats(srv) -> list[dict]:
+    """Both chats, greedy, each answer fed back as the next turn's history (also
+    ``docs/measure_chat.py``'s)."""
     out = []
     for system, questions in CHATS:
         messages = [{"role": "system", "content": system}]
@@ -58,6 +58,13 @@ def _run(start_server, model_dir, *flags: str) -> tuple[list[dict], dict]:
             r = srv.chat(messages, max_tokens=MAX_TOKENS, temperature=0.0)
             out.append(r)
             messages.append({"role": "assistant", "content": answer_text(r)})
+    return out
+
+
+def _run(start_server, model_dir, *flags: str) -> tuple[list[dict], dict]:
+    srv = start_server(harness.mlx_lm_server_cmd, *flags, model_dir=model_dir,
+                       env={**blas.preload_env(), "KVPLUGIN_MAX_KV_SIZE": str(N)})
+    out = ask_chats(srv)
     stats = srv.get("/kvplugin/stats")
     srv.stop()  # one server at a time: they share the CPU
     return out, stats

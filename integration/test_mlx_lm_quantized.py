@@ -102,7 +102,8 @@ def test_entries_stored_quantized(request, bits, seed):
                            3: ("rotated-channel-sym", 4, 6)}[bits]
     assert stats["quantization"] == {"bits": bits, "group_size": 64, "min_tokens": MIN_TOKENS,
         "codec": codec, "codec_setting": "auto", "key_bits": bits, "value_bits": bits,
-        "sink_tokens": sink, "recent_tokens": recent, "policy": "always"}
+        "sink_tokens": sink, "recent_tokens": recent,
+        "wide_head_keys": None, "policy": "always"}  # the group size is given: kept
     named = f"{codec}-k{bits}v{bits}" + (f"-s{sink}r{recent}" if sink else "")
     assert set(stats["bytes_stored_by_codec"]) == {named, "full"}  # "full": the short one
     assert stats["entries_quantized"] >= 1

@@ -115,7 +115,7 @@ def collect(flags: Mapping[str, Any], server: str | None = None) -> dict[str, An
             for i in option_infos()
         ],
         # what --kv-cache-codec auto and unset protected tokens resolve to (None: off)
-        "codec": codec_plan(settings).name if settings.kv_cache_quantization else None,
+        "codec": codec_plan(settings).description if settings.kv_cache_quantization else None,
         "model_cache": str(kvplugin_home()),
         **({"refusals": server_refusals(server)} if server else {}),
     }

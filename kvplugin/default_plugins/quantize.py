@@ -54,6 +54,7 @@ def kvplugin_quantize_entry(
         stored_prefix=stored_prefix,
         quantize_state=plan.quantize_state,
         key_ropes=window_ropes(cache, key_ropes) if plan.prerope_keys else None,
+        wide_head_keys=plan.wide_head_keys,
         consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None

@@ -23,7 +23,8 @@ def entry_format(settings: KVPluginSettings) -> str:
     return (f"{plan.codec}:k{plan.key_bits}v{plan.value_bits}:g{plan.group_size}"
             f":min{settings.kv_cache_min_quantize_tokens}"
             f":sink{plan.sink_tokens}:recent{plan.recent_tokens}"
-            f"{':prerope' if plan.prerope_keys else ''}")
+            f"{':prerope' if plan.prerope_keys else ''}"
+            f"{':wide{}g{}'.format(*plan.wide_head_keys) if plan.wide_head_keys else ''}")
 
 
 @hookimpl(trylast=True)

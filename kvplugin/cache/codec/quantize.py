@@ -37,23 +37,13 @@ from kvplugin.cache.codec.rows import (ALLOWED_BITS, BOUNDARY_ATTR, CHANNEL_KEYS
                                           dtype_name, encode_rows, fitting_codec,
                                           protect_rows, protected_ranges, restore_rows)
 from kvplugin.codecs import (CODEC_ATTR, CODECS, SEED_ATTR, VALUE_BITS_ATTR, CodecPlan,
-                             UnknownCodec)
+                             UnknownCodec, layer_bits_group)
 
 __all__ = [
-    "ALLOWED_BITS",
-    "ALLOWED_GROUP_SIZES",
-    "DTYPE_ATTR",
-    "CODECS",
-    "UnknownCodec",
-    "codec_name",
-    "QuantizeResult",
-    "validate_bits_group",
-    "head_dim_of",
-    "validate_group_size_for_model",
-    "quantize_entry",
-    "dequantize_entry",
-    "attention_roundtrip_error",
-    "codec_arrays",
+    "ALLOWED_BITS", "ALLOWED_GROUP_SIZES", "DTYPE_ATTR", "CODECS", "UnknownCodec",
+    "codec_name", "QuantizeResult", "validate_bits_group", "head_dim_of",
+    "validate_group_size_for_model", "quantize_entry", "dequantize_entry",
+    "attention_roundtrip_error", "codec_arrays",
 ]
 
 # What a stored layer records about its codec: kvplugin.cache.codec.rows. Protected
@@ -235,6 +225,7 @@ def quantize_entry(
     chunk_bytes: int | None = None,
     quantize_state: bool = False,
     key_ropes: Any = None,
+    wide_head_keys: tuple[int, int] | None = None,
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
@@ -257,6 +248,8 @@ def quantize_entry(
     state (``ArraysCache``) stored rotated at 8 bits too (:mod:`kvplugin.cache.codec.state`).
     ``key_ropes``: each layer's key rope or None (:func:`kvplugin.cache.model.rope.key_ropes`,
     one per layer of ``cache``): per-channel keys of those layers are stored pre-RoPE.
+    ``wide_head_keys``: (key bits, group) of layers whose heads that group divides
+    (:func:`kvplugin.codecs.layer_bits_group`).
     """
     validate_bits_group(bits, group_size)
     if value_bits is not None:
@@ -284,13 +277,19 @@ def quantize_entry(
                                      sink_tokens=sink_tokens, recent_tokens=recent_tokens,
                                      prompt_boundaries=prompt_boundaries,
                                      stored_prefix=None if kids is None else list(kids),
-                                     chunk_bytes=chunk_bytes, quantize_state=quantize_state)
-        if is_quantizable(layer, group_size):
-            return i, _quantize_layer(layer, bits, group_size, codec, value_bits, sink_tokens,
+                                     chunk_bytes=chunk_bytes, quantize_state=quantize_state,
+                                     wide_head_keys=wide_head_keys)
+        keys = getattr(layer, "keys", None)  # a quantized layer's are a tuple: kept as is
+        kbits, group = (layer_bits_group(bits, group_size, wide_head_keys, keys.shape[-1],
+                                         layer.values.shape[-1])
+                        if isinstance(keys, mx.array) else (bits, group_size))
+        vbits = value_bits if kbits == bits else (value_bits or bits)
+        if is_quantizable(layer, group):
+            return i, _quantize_layer(layer, kbits, group, codec, vbits, sink_tokens,
                                       recent_tokens, prompt_boundaries, donors[i], chunk_bytes,
                                       ropes[i])
-        if is_rotating_quantizable(layer, group_size):
-            return i, quantize_rotating(layer, bits, group_size, codec, value_bits, sink_tokens,
+        if is_rotating_quantizable(layer, group):
+            return i, quantize_rotating(layer, kbits, group, codec, vbits, sink_tokens,
                                         recent_tokens, chunk_bytes, ropes[i])
         if quantize_state and is_state_quantizable(layer):
             return i, quantize_state_layer(layer)

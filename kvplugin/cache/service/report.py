@@ -50,6 +50,7 @@ class Reporting:
              "codec": plan.codec, "codec_setting": s.kv_cache_codec,
              "key_bits": plan.key_bits, "value_bits": plan.value_bits,
              "sink_tokens": plan.sink_tokens, "recent_tokens": plan.recent_tokens,
+             "wide_head_keys": plan.wide_head_keys,
              "policy": s.kv_cache_quantization_policy}
             if s.kv_cache_quantization else None
         )
@@ -100,7 +101,7 @@ class Reporting:
         if s.kv_cache_quantization:
             quant = (f"{s.kv_cache_quantization_bits}-bit entries, group "
                      f"{s.kv_cache_quantization_group_size}, from "
-                     f"{s.kv_cache_min_quantize_tokens} tokens, codec {codec_plan(s).name}, "
+                     f"{s.kv_cache_min_quantize_tokens} tokens, codec {codec_plan(s).description}, "
                      f"policy {s.kv_cache_quantization_policy}")
         else:
             quant = "off"

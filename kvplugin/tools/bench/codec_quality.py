@@ -77,13 +77,13 @@ def parse_codec(spec: str) -> dict[str, Any]:
                 sink_tokens=int(m[5]), recent_tokens=int(m[6]))
 
 
-def default_codecs() -> dict[str, int]:
+def default_codecs(widths: tuple[int, int] = (64, 64)) -> dict[str, int]:
     """The default codec of each ``--kv-cache-quantization-bits`` of :data:`DEFAULT_BITS`,
-    as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves, with
-    pre-RoPE keys where a server stores them)."""
+    as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves for a
+    layer of these key and value ``widths``, with pre-RoPE keys where a server stores them)."""
     from types import SimpleNamespace
 
-    from kvplugin.codecs import codec_plan
+    from kvplugin.codecs import codec_plan, layer_bits_group
 
     out = {}
     for bits in DEFAULT_BITS:
@@ -91,10 +91,20 @@ def default_codecs() -> dict[str, int]:
             kv_cache_quantization_bits=bits, kv_cache_key_bits=None, kv_cache_value_bits=None,
             kv_cache_codec="auto", kv_cache_sink_tokens=None, kv_cache_recent_tokens=None,
             kv_cache_quantization_group_size=64))
-        out[f"{plan.codec}-k{plan.key_bits}v{plan.value_bits}-g{plan.group_size}"
+        kbits, group = layer_bits_group(plan.key_bits, plan.group_size, plan.wide_head_keys,
+                                        *widths)
+        out[f"{plan.codec}-k{kbits}v{plan.value_bits}-g{group}"
             f"-s{plan.sink_tokens}r{plan.recent_tokens}"
             f"{PRE_ROPE_SERVED if plan.prerope_keys else ''}"] = bits
     return out
+
+
+def model_widths(model) -> tuple[int, int]:
+    """The key and value widths of ``model``'s cache (64 where unknown)."""
+    from kvplugin.cache.model.widths import cache_widths
+
+    widths = list((cache_widths(model) or {}).values()) or [64]
+    return widths[0], widths[-1]
 
 
 def _cast(cache: list, src, dst) -> list:
@@ -263,7 +273,7 @@ def _mean(xs: list) -> float | None:
 
 
 def _rows(acc: dict, defaults: dict[str, int] | None = None) -> list[dict]:
-    defaults = default_codecs() if defaults is None else defaults
+    defaults = default_codecs() if defaults is None else defaults  # of the model's widths
     rows = []
     for spec, a in acc.items():
         n = len(a["kl"])
@@ -354,10 +364,11 @@ def load_model(name: str) -> tuple[Any, Any, str]:
     return model, tok, f"{directory.name} ({dtype} weights; {', '.join(kinds)} layers)"
 
 
-def _specs(text: str) -> list[str]:
+def _specs(text: str, defaults: dict[str, int] | None = None) -> list[str]:
     out: list[str] = []
+    defaults = default_codecs() if defaults is None else defaults
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        named = {"defaults": list(default_codecs()), "candidates": list(CANDIDATE_CODECS)}
+        named = {"defaults": list(defaults), "candidates": list(CANDIDATE_CODECS)}
         for spec in named.get(item, [item]):
             parse_codec(spec)
             if spec not in out:
@@ -374,10 +385,12 @@ def real_text() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    specs = _specs(args.codecs)
+    _specs(args.codecs)  # a bad spec fails before the model loads
     if args.max_kv_size is not None and args.max_kv_size < 1:
         raise SystemExit("kvplugin bench --quality --real-model: --max-kv-size must be >= 1")
     model, tok, label = load_model(args.model)
+    defaults = default_codecs(model_widths(model))
+    specs = _specs(args.codecs, defaults)
     if args.max_kv_size:
         label += f", --max-kv-size {args.max_kv_size}"
     ids = tok.encode(real_text())
@@ -394,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
             uncut.add(why)
         print(f"prompt {i + 1}/{args.prompts} done: "
               + ", ".join(f"{r['codec']} KL {r['mean_kl']:.2e} top1 {r['top1_agreement']:.4f}"
-                          for r in _rows(acc)), file=sys.stderr, flush=True)
-    rows = _rows(acc)
+                          for r in _rows(acc, defaults)), file=sys.stderr, flush=True)
+    rows = _rows(acc, defaults)
     title = (f"{label}, {args.prompts} real-text windows of "
              f"{args.prompt_tokens} tokens, {args.continuation_tokens}-token continuations "
              "(kvplugin bench --quality --real-model)")

@@ -29,15 +29,15 @@ __all__ = ["main", "GOALS"]
 GOALS = {"smaller_8bit": 1.8, "agreement_8bit": 0.998, "kl_8bit": 1e-4}
 
 
-def _configs() -> list[tuple[str, int, dict, bool]]:
+def _configs(widths: tuple[int, int]) -> list[tuple[str, int, dict, bool]]:
+    """(spec, the bits it is the default of, codec keywords, state quantized) per row."""
     from kvplugin.tools.bench.codec_quality import default_codecs, parse_codec
 
     out = []
-    for spec, bits in default_codecs().items():
+    for spec, bits in default_codecs(widths).items():
         if bits in (8, 4):
             kw = parse_codec(spec)
-            group, kbits = kw.pop("group_size"), kw.pop("bits")
-            out += [(spec, kbits, {**kw, "group": group}, state) for state in (False, True)]
+            out += [(spec, bits, kw, state) for state in (False, True)]
     return out
 
 
@@ -73,10 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     docs = [ids for _, ids in qm.heldout_documents(prompt + cont, n_docs, spec=spec)]
     ev = _Evaluator(model, docs, prompt, cont, free_running=False)
     rows = []
-    for name, bits, kw, state in _configs():
-        group = kw.pop("group")
-        row = ev.score(bits, group, codec=kw, state=state)
-        row.update(codec=name, state_quantized=state)
+    from kvplugin.tools.bench.codec_quality import model_widths
+
+    for name, bits, kw, state in _configs(model_widths(model)):
+        kw = dict(kw)  # the two state rows of a codec share it
+        group, key_bits = kw.pop("group_size"), kw.pop("bits")
+        row = ev.score(key_bits, group, codec=kw, state=state)
+        row.update(codec=name, state_quantized=state, bits=bits)  # the setting's bits
         rows.append(row)
     table = [[r["codec"], "8-bit" if r["state_quantized"] else "full",
               f"{r['stored_bytes'] / r['fp16_bytes']:.3f}",

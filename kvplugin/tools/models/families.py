@@ -104,8 +104,12 @@ def available(family: str, mlx_lm_version: str) -> bool:
     return Version(mlx_lm_version) >= Version(FAMILIES[family]["since"])
 
 
-def build_family_model(family: str, directory: Path | None = None, *, seed: int = 0) -> Path:
-    """Build (or reuse) the tiny ``family`` model; returns its directory."""
+def build_family_model(family: str, directory: Path | None = None, *, seed: int = 0,
+                       config: dict | None = None) -> Path:
+    """Build (or reuse) the tiny ``family`` model; returns its directory. ``config``: fields
+    that replace the family's (e.g. a real model's head width); then ``directory`` is needed."""
+    if config and directory is None:
+        raise ValueError("a family model with its own config needs its own directory")
     from kvplugin.home import kvplugin_home
     from kvplugin.tools.models.tiny import build_derived_model
 
@@ -113,8 +117,8 @@ def build_family_model(family: str, directory: Path | None = None, *, seed: int 
         import mlx.core as mx
         import mlx_lm.utils as mlx_utils
 
-        cfg = dict(FAMILIES[family]["config"], vocab_size=tiny_cfg["vocab_size"],
-                   torch_dtype="float32")
+        cfg = dict(FAMILIES[family]["config"], **(config or {}),
+                   vocab_size=tiny_cfg["vocab_size"], torch_dtype="float32")
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             cfg[key] = tiny_cfg[key]
         if "text_config" in cfg:  # multimodal wrappers (llama4): the text model's own config

@@ -1,0 +1,102 @@
+"""The 4-bit default on wide heads: keys take a fifth bit, paid for by groups of 128, on every
+layer kind whose heads a group of 128 divides; narrower heads and explicit choices keep what
+they ask for. Through the real service and the default quantize hook."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from kvplugin.cache.codec.quantize import dequantize_entry
+from kvplugin.codecs import WIDE_HEAD_KEYS, codec_plan, layer_bits_group
+from kvplugin.settings import resolve_settings
+
+N = 300
+
+
+def _service(**flags):
+    from kvplugin import plugins
+    from kvplugin.cache.service.service import KVService
+
+    pm = plugins.create_plugin_manager(load_entry_points=False)
+    return KVService(resolve_settings({"kv_cache_quantization": True,
+                                       "kv_cache_min_quantize_tokens": 0, **flags}),
+                     host="test", hook=pm.hook, max_bytes=1 << 40)
+
+
+def _kv(width: int, seed: int = 0) -> tuple[mx.array, mx.array]:
+    k = mx.random.normal((1, 1, N, width), key=mx.random.key(seed))
+    k = k * mx.array(np.where(np.arange(width) % 16 == 3, 20.0, 1.0).astype(np.float32))
+    v = mx.random.normal((1, 1, N, width), key=mx.random.key(seed + 1))
+    return k.astype(mx.float16), v.astype(mx.float16)
+
+
+def _plain(width: int) -> KVCache:
+    c = KVCache()
+    c.update_and_fetch(*_kv(width))
+    return c
+
+
+def _ring(width: int) -> RotatingKVCache:
+    c = RotatingKVCache(max_size=128, keep=0)
+    k, v = _kv(width)
+    c.update_and_fetch(k[..., :100, :], v[..., :100, :])
+    for i in range(100, N):  # one token at a time, as decoding: the ring wraps
+        c.update_and_fetch(k[..., i:i + 1, :], v[..., i:i + 1, :])
+    return c
+
+
+def _stored(service, entry: list) -> list:
+    tokens = list(range(N))
+    assert service.insert("m", tokens, entry)
+    return service.store._index.get("m", tuple(tokens)).cache
+
+
+@pytest.mark.parametrize("make", [_plain, _ring])
+def test_default_4bit_takes_5bit_keys_in_groups_of_128_on_wide_heads_only(make):
+    service = _service(kv_cache_quantization_bits=4)
+    stored = _stored(service, [make(256), make(128), make(64)])
+    assert [(layer.bits, layer.group_size) for layer in stored] == [(5, 128), (5, 128), (4, 64)]
+    assert {getattr(layer, "kvplugin_value_bits", layer.bits) for layer in stored} == {4}
+    names = "+".join(service.stats()["bytes_stored_by_codec"]).split("+")  # per layer
+    assert {name.split("-s")[0] for name in names} == {"rotated-channel-k5v4",
+                                                       "rotated-channel-k4v4"}
+
+
+@pytest.mark.parametrize("flags", [
+    {"kv_cache_quantization_group_size": 64},  # a group the user chose is kept
+    {"kv_cache_key_bits": 4},
+    {"kv_cache_codec": "rotated-channel"},
+])
+def test_explicit_choices_keep_4bit_keys_on_wide_heads(flags):
+    plan = codec_plan(resolve_settings({"kv_cache_quantization_bits": 4, **flags}))
+    assert plan.wide_head_keys is None
+    layer = _stored(_service(kv_cache_quantization_bits=4, **flags), [_plain(256)])[0]
+    assert (layer.bits, layer.group_size) == (4, 64)
+
+
+def test_only_the_4bit_default_widens():
+    for bits in (8, 3, 5):
+        assert codec_plan(resolve_settings({"kv_cache_quantization_bits": bits})
+                          ).wide_head_keys is None
+    plan = codec_plan(resolve_settings({"kv_cache_quantization_bits": 4}))
+    assert plan.wide_head_keys == WIDE_HEAD_KEYS == (5, 128)
+    assert layer_bits_group(4, 64, plan.wide_head_keys, 256, 256) == (5, 128)
+    assert layer_bits_group(4, 64, plan.wide_head_keys, 64, 64) == (4, 64)
+    assert layer_bits_group(4, 64, plan.wide_head_keys, 256, 64) == (4, 64)
+
+
+@pytest.mark.parametrize("make", [_plain, _ring])
+def test_wide_head_entries_restore_closer_than_4bit_keys(make):
+    """The fifth key bit is what the rule is for: a hit's keys come back closer."""
+    def key_error(**flags) -> float:
+        source = make(256)
+        original = source.keys[..., :source.keys.shape[-2] if make is _ring else N, :]
+        stored = _stored(_service(kv_cache_quantization_bits=4, **flags), [make(256)])
+        back = dequantize_entry(list(stored))[0]
+        assert type(back) is type(source) and back.offset == source.offset
+        return float(mx.abs(back.keys.astype(mx.float32) - original.astype(mx.float32)).mean())
+
+    assert key_error() < 0.75 * key_error(kv_cache_quantization_group_size=64)
