@@ -7,6 +7,7 @@ bench process, so the measured levers cost the engine no code. Two modes:
     python docs/measure_levers.py quality [kvplugin bench --quality --real-model options]
     python docs/measure_levers.py restore [rounds]
     python docs/measure_levers.py state BITS [kvplugin bench --quality --hybrid options]
+    python docs/measure_levers.py restore-wide [rounds]
 
 ``quality`` runs the real-model codec bench; a codec spec may start with lever tokens, each
 followed by ``~``:
@@ -30,6 +31,10 @@ followed by ``~``:
 x 64; 1,200 tokens plain, or rings of 512 wrapped) at the 4-bit default, today's numpy
 restore against the same with the level lookups (keys, keys and values) or N fp16 key
 channels written back, interleaved, in ms per MiB of fp16 entry.
+
+``restore-wide`` times the restore of a Gemma-3-shaped entry (15 rings of 512 and 3 plain
+layers of 1,200 tokens, 1 KV head x 256) at the 4-bit default of heads that wide (5-bit keys,
+groups of 128) against 4-bit keys in groups of 64, interleaved, in ms per MiB of fp16 entry.
 
 ``state`` runs the hybrid bench with recurrent state quantized at ``BITS`` instead of 8 (its
 rows still say "8-bit" for the quantized state).
@@ -364,18 +369,63 @@ def restore_times(rounds: int) -> None:
                 back = qz.dequantize_entry(q, key_ropes=ropes)
                 mx.eval([a for layer in back for a in (layer.keys, layer.values)])
                 times[name].append((time.perf_counter() - t) * 1000 / mib)
-        base = sorted(times["today"])
-        for name, xs in times.items():
-            xs.sort()
-            mid = len(xs) // 2
-            print(f"{kind:5s} {name:5s} best {xs[0]:.2f} median {xs[mid]:.2f} ms/MiB, "
-                  f"x today: best {xs[0] / base[0]:.2f} median {xs[mid] / base[mid]:.2f}")
+        _print_times(times, "today", lambda name: f"{kind:5s} {name:5s}")
+
+
+def _print_times(times: dict, base_name: str, label) -> None:
+    """Best and median ms/MiB per name, and their ratio to ``base_name``'s."""
+    base = sorted(times[base_name])
+    for name, xs in times.items():
+        xs.sort()
+        mid = len(xs) // 2
+        print(f"{label(name)} best {xs[0]:.2f} median {xs[mid]:.2f} ms/MiB, x {base_name}: "
+              f"best {xs[0] / base[0]:.2f} median {xs[mid] / base[mid]:.2f}")
+
+
+def wide_restore_times(rounds: int) -> None:
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    from kvplugin.cache.layers import entry_nbytes
+    from kvplugin.cache.model.rope import KeyRope
+
+    mx.random.seed(0)
+    layers = []
+    for i in range(18):
+        if i % 6 == 5:
+            layer = KVCache()
+            layer.update_and_fetch(*(mx.random.normal((1, 1, 1200, 256)).astype(mx.float16)
+                                     for _ in "kv"))
+        else:
+            layer = RotatingKVCache(max_size=512, keep=0)
+            layer.update_and_fetch(*(mx.random.normal((1, 1, 600, 256)).astype(mx.float16)
+                                     for _ in "kv"))
+            for _ in range(600):
+                k = mx.random.normal((1, 1, 1, 256)).astype(mx.float16)
+                layer.update_and_fetch(k, k)
+        layers.append(layer)
+    ropes = [KeyRope(dims=256, traditional=False, base=10000.0, scale=1.0)] * 18
+    mib = entry_nbytes(layers) / 2**20
+    stored = {f"k{b}v4-g{g}": qz.quantize_entry(layers, bits=b, value_bits=4, group_size=g,
+                                                 codec="rotated-channel", sink_tokens=4,
+                                                 recent_tokens=16, key_ropes=ropes).cache
+              for b, g in ((4, 64), (5, 128))}
+    times: dict = {name: [] for name in stored}
+    for _ in range(rounds):
+        for name, q in stored.items():
+            t = time.perf_counter()
+            back = qz.dequantize_entry(q, key_ropes=ropes)
+            mx.eval([a for layer in back for a in (layer.keys, layer.values)])
+            times[name].append((time.perf_counter() - t) * 1000 / mib)
+    _print_times(times, "k4v4-g64", lambda name: f"{name} "
+                 f"({entry_nbytes(stored[name]) / 2**20 / mib:.3f}x fp16)")
 
 
 if __name__ == "__main__":
     mode, rest = sys.argv[1], sys.argv[2:]
     if mode == "restore":
         restore_times(int(rest[0]) if rest else 9)
+    elif mode == "restore-wide":
+        wide_restore_times(int(rest[0]) if rest else 9)
     elif mode == "state":
         from kvplugin.cache.codec import state
         from kvplugin.tools.bench import state_quality
