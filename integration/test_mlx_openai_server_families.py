@@ -8,10 +8,12 @@ file), A again (from memory). At fp16 the answers are stock's and every turn reu
 the prompt tokens stock reuses; with ``--kv-cache-quantization-bits 8`` the entries are stored
 quantized and the server still reuses at least as much.
 
-Restart: the fp16 server is stopped as by Ctrl-C and a new one started on the same directory:
-A's next turn is served from the previous process's file, B's file, damaged in between, is a
-counted miss, and both answer as stock's. Stock deletes its pickles at shut-down (and never
-reads a directory's old ones), so its own restart reuses nothing.
+Restart (Gemma 3): the fp16 server is stopped as by Ctrl-C and a new one started on the same directory:
+A's next turn is served from the previous process's file (the conversation held in memory
+when it stopped is written out too) and reuses as much as stock's does without a restart; B's
+files, damaged in between, are a counted miss; both answer as stock's. Stock deletes its
+pickles at shut-down (and never reads a directory's old ones), so its own restart reuses
+nothing.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import os
 import signal
 import struct
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import harness
 import pytest
 from harness import answer_text, cached_tokens, mlx_openai_server_cmd
 
@@ -31,6 +34,8 @@ from kvplugin.tools.models.corpus import CORPUS
 from kvplugin.tools.models.families import build_family_model
 
 FAMS = ("gemma3_text", "qwen3_next")
+# restarted too (a server start each): the files are the ones the in-process turns read back
+RESTARTED = {"gemma3_text"}
 SYSTEM = " ".join(CORPUS.split()[:120])  # past the 128-token sliding window: it wraps
 A = ("Where is the river?", "And the hills?", "Who lives there?", "What do they grow?")
 B = ("Describe the harbour at dawn.", "What do the boats carry?")
@@ -43,12 +48,12 @@ MAX_TOKENS = 6
 class Chat:
     """The two conversations' messages on one server, and each turn's answer and reuse."""
 
-    def __init__(self, srv) -> None:
+    def __init__(self, srv: Any) -> None:
         self.srv = srv
         self.messages = {w: [{"role": "system", "content": SYSTEM}] for w in "ab"}
         self.out: list[tuple[str, int]] = []
 
-    def turns(self, order) -> list[tuple[str, int]]:
+    def turns(self, order: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
         for who, i in order:
             messages = self.messages[who]
             messages.append({"role": "user", "content": (A if who == "a" else B)[i]})
@@ -58,7 +63,7 @@ class Chat:
         return self.out[-len(order):]
 
 
-def ctrl_c(srv) -> None:
+def ctrl_c(srv: Any) -> None:
     """A user's Ctrl-C: the host's orderly shut-down (its prompt cache is closed)."""
     os.killpg(srv.pid, signal.SIGINT)
     srv.proc.wait(timeout=60)
@@ -124,6 +129,7 @@ def stock_chat(family, start_server, tmp_path_factory):
 
 def test_fp16_answers_as_stock_from_a_file_and_from_memory_and_after_a_restart(
         family, stock_chat, start_server, tmp_path):
+    """The restart half for the families in ``RESTARTED``."""
     name, model = family
     theirs, stock_kept = stock_chat
     kept = tmp_path / "prompt-cache"
@@ -136,6 +142,8 @@ def test_fp16_answers_as_stock_from_a_file_and_from_memory_and_after_a_restart(
     assert stats["store_cold_hits"] >= 1 and stats["store_moved"] >= 1, stats
     assert stats["store_rejected"] == 0 and stats["cold_refused"] == 0, stats
     ctrl_c(srv)
+    if name not in RESTARTED:
+        return
 
     assert damage_the_others(kept), list(kept.rglob("*"))  # B's files (A's is the longest)
     again = start_server(mlx_openai_server_cmd, "--prompt-cache-dir", str(kept),
