@@ -121,3 +121,16 @@ def test_flags_reach_the_model_process_as_variables(monkeypatch):
     assert os.environ["KVPLUGIN_KV_CACHE_QUANTIZATION"] == "true"
     assert os.environ["KVPLUGIN_MAX_KV_SIZE"] == "4096"
     assert os.environ["KVPLUGIN_SSD_CACHE_MAX_GB"] == "1.5"
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_shut_down_writes_held_entries_out_only_where_the_directory_is_kept(monkeypatch,
+                                                                              tmp_path, private):
+    calls: list[str] = []
+    service = types.SimpleNamespace(flush_configured=lambda: calls.append("flush"),
+                                    close=lambda: calls.append("close"))
+    scratch = types.SimpleNamespace(cleanup=lambda: calls.append("cleanup")) if private else None
+    monkeypatch.setattr(KVPluginOaiPromptCache, "adapter", types.SimpleNamespace(
+        create_service=lambda **kw: (service, scratch)))
+    KVPluginOaiPromptCache(cache_dir=None if private else str(tmp_path)).close()
+    assert calls == (["close", "cleanup"] if private else ["flush", "close"])

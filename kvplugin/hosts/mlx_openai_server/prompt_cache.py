@@ -145,10 +145,15 @@ class KVPluginOaiPromptCache:
 
     def close(self) -> None:
         """Shut-down (the handler's cleanup): the store is closed; its SSD tier is kept in
-        ``--prompt-cache-dir`` and removed from a private directory, as stock does."""
-        self.service.close()
-        if self._scratch is not None:
-            self._scratch.cleanup()
+        ``--prompt-cache-dir``, with the entries held in memory written out (a restart on
+        the directory serves them), and a private directory is removed, as stock does."""
+        try:
+            if self._scratch is None:
+                self.service.flush_configured()
+        finally:
+            self.service.close()
+            if self._scratch is not None:
+                self._scratch.cleanup()
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         return {"kvplugin": {"n_sequences": len(self), "n_bytes": self.nbytes}}
