@@ -15,7 +15,9 @@ and below ``rotated-channel-sym``: the same keys, values stored with a scale and
 and 6 recent tokens, the size class that 3 bits are chosen for. At 4 bits, on heads a group
 of 128 divides, keys take a fifth bit paid for by scales over groups of 128
 (:data:`WIDE_HEAD_KEYS`): on a real sliding-window model (Gemma 3, heads of 256) that halved
-the error and kept 7 of 8 chat answers where 4-bit keys kept 5.
+the error and kept 7 of 8 chat answers where 4-bit keys kept 5. As pre-RoPE keys, this is
+for entries with a sliding-window or ``--max-kv-size`` layer (every layer of them): entries of
+plain layers only met the 4-bit goals with 4-bit keys.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class CodecPlan:
     quantize_state: bool = True  # recurrent state rotated at 8 bits (cache/codec/state.py)
     #: rotating layers' keys stored pre-RoPE where their rope is known (cache/codec/prerope.py)
     prerope_keys: bool = False
-    #: (key bits, group) on layers whose heads that group divides (:func:`layer_bits_group`)
+    #: (key bits, group) on layers whose heads that group divides, in entries with a window
+    #: (:func:`layer_bits_group`)
     wide_head_keys: tuple[int, int] | None = None
 
     @property
@@ -94,7 +97,8 @@ class CodecPlan:
         if not self.wide_head_keys:
             return self.name
         bits, group = self.wide_head_keys
-        return f"{self.name} (k{bits}v{self.value_bits} in groups of {group} on heads it divides)"
+        return (f"{self.name} (k{bits}v{self.value_bits} in groups of {group} on heads it "
+                "divides, in entries with a window)")
 
 
 def codec_plan(settings: Any) -> CodecPlan:

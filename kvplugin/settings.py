@@ -130,7 +130,8 @@ class KVPluginSettings(BaseSettings):
         "affine from 6 key bits on, rotated-channel below, rotated-channel-sym at 3 bits and "
         "below (the best measured, docs/benchmarks.md); at 4 bits, with no key or value "
         "bits and no group size given, heads a group of 128 divides take 5-bit keys in "
-        "groups of 128. Sliding-window and --max-kv-size "
+        "groups of 128 in entries with a sliding-window or --max-kv-size layer. "
+        "Sliding-window and --max-kv-size "
         "layers take the same codec. A named codec the model's head dimension cannot take "
         "stops the server; auto falls back (affine for non-power-of-two head dims).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},

@@ -1,6 +1,7 @@
-"""The 4-bit default on wide heads: keys take a fifth bit, paid for by groups of 128, on every
-layer kind whose heads a group of 128 divides; narrower heads and explicit choices keep what
-they ask for. Through the real service and the default quantize hook."""
+"""The 4-bit default on wide heads: in an entry with a window (sliding, ``--max-kv-size``),
+keys take a fifth bit, paid for by groups of 128, on every layer whose heads a group of 128
+divides; narrower heads, entries of plain layers only and explicit choices keep 4-bit keys in
+groups of 64. Through the real service and the default quantize hook."""
 
 from __future__ import annotations
 
@@ -54,15 +55,20 @@ def _stored(service, entry: list) -> list:
     return service.store._index.get("m", tuple(tokens)).cache
 
 
-@pytest.mark.parametrize("make", [_plain, _ring])
-def test_default_4bit_takes_5bit_keys_in_groups_of_128_on_wide_heads_only(make):
+def test_default_4bit_takes_5bit_keys_in_groups_of_128_on_wide_heads_of_a_windowed_entry():
     service = _service(kv_cache_quantization_bits=4)
-    stored = _stored(service, [make(256), make(128), make(64)])
-    assert [(layer.bits, layer.group_size) for layer in stored] == [(5, 128), (5, 128), (4, 64)]
+    stored = _stored(service, [_ring(256), _plain(256), _ring(128), _ring(64)])
+    assert [(layer.bits, layer.group_size) for layer in stored] == [
+        (5, 128), (5, 128), (5, 128), (4, 64)]  # the window's global layer too
     assert {getattr(layer, "kvplugin_value_bits", layer.bits) for layer in stored} == {4}
     names = "+".join(service.stats()["bytes_stored_by_codec"]).split("+")  # per layer
     assert {name.split("-s")[0] for name in names} == {"rotated-channel-k5v4",
                                                        "rotated-channel-k4v4"}
+
+
+def test_an_entry_of_plain_layers_keeps_4bit_keys_on_wide_heads():
+    stored = _stored(_service(kv_cache_quantization_bits=4), [_plain(256), _plain(128)])
+    assert [(layer.bits, layer.group_size) for layer in stored] == [(4, 64), (4, 64)]
 
 
 @pytest.mark.parametrize("flags", [
@@ -73,7 +79,7 @@ def test_default_4bit_takes_5bit_keys_in_groups_of_128_on_wide_heads_only(make):
 def test_explicit_choices_keep_4bit_keys_on_wide_heads(flags):
     plan = codec_plan(resolve_settings({"kv_cache_quantization_bits": 4, **flags}))
     assert plan.wide_head_keys is None
-    layer = _stored(_service(kv_cache_quantization_bits=4, **flags), [_plain(256)])[0]
+    layer = _stored(_service(kv_cache_quantization_bits=4, **flags), [_ring(256)])[0]
     assert (layer.bits, layer.group_size) == (4, 64)
 
 
@@ -88,15 +94,19 @@ def test_only_the_4bit_default_widens():
     assert layer_bits_group(4, 64, plan.wide_head_keys, 256, 64) == (4, 64)
 
 
-@pytest.mark.parametrize("make", [_plain, _ring])
-def test_wide_head_entries_restore_closer_than_4bit_keys(make):
-    """The fifth key bit is what the rule is for: a hit's keys come back closer."""
+def test_wide_head_entries_restore_closer_than_4bit_keys():
+    """The fifth key bit is what the rule is for: a hit's keys come back closer, on the
+    window and on the plain layer of the entry alike."""
     def key_error(**flags) -> float:
-        source = make(256)
-        original = source.keys[..., :source.keys.shape[-2] if make is _ring else N, :]
-        stored = _stored(_service(kv_cache_quantization_bits=4, **flags), [make(256)])
-        back = dequantize_entry(list(stored))[0]
-        assert type(back) is type(source) and back.offset == source.offset
-        return float(mx.abs(back.keys.astype(mx.float32) - original.astype(mx.float32)).mean())
+        source = [_ring(256), _plain(256)]
+        stored = _stored(_service(kv_cache_quantization_bits=4, **flags),
+                         [_ring(256), _plain(256)])
+        back = dequantize_entry(list(stored))
+        assert [type(b) for b in back] == [type(s) for s in source]
+        assert [b.offset for b in back] == [s.offset for s in source]
+        rows = [source[0].keys.shape[-2], N]  # the ring's slots, the plain layer's tokens
+        return sum(float(mx.abs(b.keys[..., :n, :].astype(mx.float32)
+                                - s.keys[..., :n, :].astype(mx.float32)).mean())
+                   for b, s, n in zip(back, source, rows))
 
     assert key_error() < 0.75 * key_error(kv_cache_quantization_group_size=64)

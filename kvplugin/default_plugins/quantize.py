@@ -38,7 +38,7 @@ def kvplugin_quantize_entry(
 
     if num_tokens < settings.kv_cache_min_quantize_tokens:
         return None
-    from kvplugin.cache.codec.prerope import window_ropes
+    from kvplugin.cache.codec.prerope import has_window, window_ropes
     from kvplugin.codecs import codec_plan
 
     plan = codec_plan(settings)
@@ -54,7 +54,8 @@ def kvplugin_quantize_entry(
         stored_prefix=stored_prefix,
         quantize_state=plan.quantize_state,
         key_ropes=window_ropes(cache, key_ropes) if plan.prerope_keys else None,
-        wide_head_keys=plan.wide_head_keys,
+        # as pre-RoPE keys: where an entry has a window (all-plain entries measured fine)
+        wide_head_keys=plan.wide_head_keys if has_window(cache) else None,
         consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None

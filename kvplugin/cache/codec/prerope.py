@@ -24,7 +24,7 @@ import numpy as np
 from kvplugin.cache.model.rope import KeyRope, parse_record
 from kvplugin.codecs import CHANNEL_KEYS, UnknownCodec
 
-__all__ = ["KEY_ROPE_ATTR", "Runs", "plain_runs", "ring_runs", "turn", "turn_numpy",
+__all__ = ["KEY_ROPE_ATTR", "Runs", "has_window", "plain_runs", "ring_runs", "turn", "turn_numpy",
            "window_ropes", "recorded_rope", "check_rope"]
 
 #: What a layer stored with pre-RoPE keys records its rope under (:attr:`KeyRope.record`)
@@ -108,13 +108,16 @@ def window_ropes(cache: list, key_ropes: Any) -> tuple | None:
     windowed model pre-RoPE keys on its global layers too measured best, while an all-plain
     model's real chat left stock's answers at near ties with them (docs/benchmarks.md,
     "Pre-RoPE keys")."""
-    from mlx_lm.models.cache import RotatingKVCache
-
-    if key_ropes is None or len(key_ropes) != len(cache):
-        return None
-    if not any(isinstance(layer, RotatingKVCache) for layer in cache):
+    if key_ropes is None or len(key_ropes) != len(cache) or not has_window(cache):
         return None
     return tuple(key_ropes) if any(key_ropes) else None
+
+
+def has_window(cache: list) -> bool:
+    """Whether an entry has a rotating layer (a sliding window, ``--max-kv-size``)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return any(isinstance(layer, RotatingKVCache) for layer in cache)
 
 
 def recorded_rope(layer: Any, codec: str) -> KeyRope | None:

@@ -77,10 +77,12 @@ def parse_codec(spec: str) -> dict[str, Any]:
                 sink_tokens=int(m[5]), recent_tokens=int(m[6]))
 
 
-def default_codecs(widths: tuple[int, int] = (64, 64)) -> dict[str, int]:
+def default_codecs(widths: tuple[int, int] = (64, 64), windowed: bool = False
+                   ) -> dict[str, int]:
     """The default codec of each ``--kv-cache-quantization-bits`` of :data:`DEFAULT_BITS`,
     as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves for a
-    layer of these key and value ``widths``, with pre-RoPE keys where a server stores them)."""
+    layer of these key and value ``widths`` in an entry with a window or not, with pre-RoPE
+    keys where a server stores them)."""
     from types import SimpleNamespace
 
     from kvplugin.codecs import codec_plan, layer_bits_group
@@ -91,8 +93,8 @@ def default_codecs(widths: tuple[int, int] = (64, 64)) -> dict[str, int]:
             kv_cache_quantization_bits=bits, kv_cache_key_bits=None, kv_cache_value_bits=None,
             kv_cache_codec="auto", kv_cache_sink_tokens=None, kv_cache_recent_tokens=None,
             kv_cache_quantization_group_size=64))
-        kbits, group = layer_bits_group(plan.key_bits, plan.group_size, plan.wide_head_keys,
-                                        *widths)
+        kbits, group = layer_bits_group(plan.key_bits, plan.group_size,
+                                        plan.wide_head_keys if windowed else None, *widths)
         out[f"{plan.codec}-k{kbits}v{plan.value_bits}-g{group}"
             f"-s{plan.sink_tokens}r{plan.recent_tokens}"
             f"{PRE_ROPE_SERVED if plan.prerope_keys else ''}"] = bits
@@ -389,7 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_kv_size is not None and args.max_kv_size < 1:
         raise SystemExit("kvplugin bench --quality --real-model: --max-kv-size must be >= 1")
     model, tok, label = load_model(args.model)
-    defaults = default_codecs(model_widths(model))
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvplugin.cache.codec.prerope import has_window
+
+    windowed = bool(args.max_kv_size) or has_window(make_prompt_cache(model))
+    defaults = default_codecs(model_widths(model), windowed)
     specs = _specs(args.codecs, defaults)
     if args.max_kv_size:
         label += f", --max-kv-size {args.max_kv_size}"
