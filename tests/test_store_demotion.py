@@ -290,3 +290,29 @@ def test_the_hosts_list_lets_go_of_the_layers_a_demotion_replaces():
     (entry,) = svc.store.entries()
     assert entry.demoted and not any(layer in entry.cache for layer in layers)
     svc.close()
+
+
+def test_a_turn_quantized_at_insert_copies_the_rows_of_its_demoted_entry(monkeypatch):
+    """A conversation whose last turn was a hit on a demoted entry: its next entry, which the
+    budget cannot hold at full precision, copies that entry's quantized rows (the lent
+    snapshot) instead of quantizing the whole conversation again, as ``always`` does."""
+    from kvplugin.cache.codec import quantize as codec
+
+    reused: list[int] = []
+    real = codec._reusable_rows
+    monkeypatch.setattr(codec, "_reusable_rows",
+                        lambda *a, **k: reused.append(real(*a, **k)) or reused[-1])
+    n = 256
+    f = entry_nbytes(filled(n))
+    svc = service(int(1.2 * f))
+    stored(svc, 1, n)  # demoted by the worker: no room for another at full precision
+    svc.insert("m", conv(2, n), filled(n))  # quantized at insert
+    assert precision(svc) == {1: "demoted", 2: "demoted"}
+    hit, got = svc.fetch("m", conv(1, n + 8))
+    assert got == n and svc.stats()["hits_demoted"] == 1
+    reused.clear()
+    svc.insert("m", conv(1, n + 8), filled(n + 8))  # the turn: over budget at full precision
+    st = svc.stats()
+    assert st["demotions_at_insert"] == 2 and precision(svc)[1] == "demoted"
+    assert reused and min(reused) == n, reused  # every layer copied the n stored rows
+    svc.close()

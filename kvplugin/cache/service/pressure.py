@@ -12,9 +12,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvplugin.cache.layers import entry_nbytes
+from kvplugin.cache.layers import entry_nbytes, layer_bits
 
-__all__ = ["fit_at_insert", "quantizes_at_store", "store_demotion"]
+__all__ = ["fit_at_insert", "quantize_at_store", "quantizes_at_store", "store_demotion"]
 
 
 def quantizes_at_store(settings: Any) -> bool:
@@ -29,11 +29,12 @@ def store_demotion(service: Any) -> dict[str, Any]:
     if not settings.kv_cache_quantization or settings.kv_cache_quantization_policy != "pressure":
         return {}
 
-    def demote(model_key: Any, tokens: Sequence[int], cache: list) -> list | None:
+    def demote(model_key: Any, tokens: Sequence[int], cache: list,
+               stored_prefix: list | None = None) -> list | None:
         quantized = service.hook.kvplugin_quantize_entry(
             cache=cache, num_tokens=len(tokens), settings=settings,
             prompt_boundaries=service._recent_prompts.boundaries(model_key, tokens),
-            stored_prefix=None, key_ropes=service.key_ropes,
+            stored_prefix=stored_prefix, key_ropes=service.key_ropes,
         )
         if quantized is not None:
             service.release_memory()  # the codec's temporaries, as after a store's quantize
@@ -45,15 +46,48 @@ def store_demotion(service: Any) -> dict[str, Any]:
     return {"demote": demote, "on_demote": on_demote}
 
 
-def fit_at_insert(service: Any, model_key: Any, tokens: Sequence[int],
-                  entry: list) -> tuple[list, bool]:
+def quantize_at_store(service: Any, model_key: Any, tokens: Sequence[int], entry: list,
+                      num_tokens: int, stored_prefix: list | None) -> tuple[list, bool]:
+    """``entry`` as it is prepared for the store, and whether it was quantized: under
+    ``always`` quantized, under ``pressure`` only where the budget cannot hold it at full
+    precision (:func:`fit_at_insert`). ``stored_prefix``: the conversation's entry as the codec
+    stored it, whose rows are copied rather than quantized again, so that a turn's codec work
+    follows the tokens it adds."""
+    settings = service.settings
+    if quantizes_at_store(settings):
+        quantized = service.hook.kvplugin_quantize_entry(
+            cache=entry, num_tokens=num_tokens, settings=settings,
+            prompt_boundaries=service._recent_prompts.boundaries(model_key, tokens),
+            stored_prefix=stored_prefix, key_ropes=service.key_ropes,
+        )
+        if quantized is None:
+            return entry, False
+        service._event("quantize", num_tokens, quantized)
+        # The codec's temporaries stay in MLX's buffer cache, where the next prefill's
+        # buffers of other sizes would stack on them: handed back at once instead.
+        service.release_memory()
+        return quantized, True
+    if model_key is None or not tokens or _quantized(entry):
+        return entry, False
+    return fit_at_insert(service, model_key, tokens, entry, stored_prefix)
+
+
+def _quantized(entry: list) -> bool:
+    return any(layer_bits(layer) is not None for layer in entry)
+
+
+def fit_at_insert(service: Any, model_key: Any, tokens: Sequence[int], entry: list,
+                  stored_prefix: list | None = None) -> tuple[list, bool]:
     """``entry`` as the store takes it under the pressure policy, and whether it was demoted
     here: as it is where the budget holds it at full precision, else quantized on this thread
-    (as ``always`` stores it) before it is evaluated, because a batched host hands a lazy copy
-    of rows its live batch still holds, and evaluating it at full precision would hold both."""
+    (as ``always`` stores it, copying ``stored_prefix``'s rows) before it is evaluated,
+    because a batched host hands a lazy copy of rows its live batch still holds, and
+    evaluating it at full precision would hold both."""
     store, nbytes = service.store, entry_nbytes(entry)
     if store.demote is None:
         return entry, False
+    if _quantized(entry):  # quantized as it was prepared: a demoted entry to the store
+        return entry, True
     if store.fits_at_full_precision(model_key, tokens, nbytes):
         if store.above_high_water(nbytes):
             # under pressure its copy is not made on buffers MLX keeps cached (as ``always``
@@ -61,7 +95,7 @@ def fit_at_insert(service: Any, model_key: Any, tokens: Sequence[int],
             service.release_memory()
         return entry, False
     start = time.perf_counter()
-    quantized = store.demote_at_insert(model_key, tokens, entry)
+    quantized = store.demote_at_insert(model_key, tokens, entry, stored_prefix)
     if quantized is None:
         return entry, False
     service._event("quantize", len(tokens), quantized, time.perf_counter() - start)

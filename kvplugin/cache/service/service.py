@@ -37,7 +37,8 @@ from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.service.holdings import Holdings
 from kvplugin.cache.service.idle_hold import IdleHold
 from kvplugin.cache.service.persist import Persistence
-from kvplugin.cache.service.pressure import fit_at_insert, quantizes_at_store, store_demotion
+from kvplugin.cache.service.pressure import (fit_at_insert, quantize_at_store,
+                                             quantizes_at_store, store_demotion)
 from kvplugin.cache.service.report import Reporting
 from kvplugin.cache.service.counters import BatchPlan, Counters, entry_codec
 from kvplugin.cache.service.fit import ModelChecker
@@ -188,19 +189,8 @@ class KVService(Holdings, Persistence, Reporting):
         trimmed = self.hook.kvplugin_trim_entry(cache=cache)
         entry = cache if trimmed is None else trimmed
         self._event("trim", num_tokens, entry)
-        quantized = None
-        if quantizes_at_store(self.settings):  # under pressure: later, if memory asks
-            quantized = self.hook.kvplugin_quantize_entry(
-                cache=entry, num_tokens=num_tokens, settings=self.settings,
-                prompt_boundaries=self._recent_prompts.boundaries(model_key, tokens or ()),
-                stored_prefix=stored_prefix, key_ropes=self.key_ropes,
-            )
-        if quantized is not None:
-            entry = quantized
-            self._event("quantize", num_tokens, entry)
-            # The codec's temporaries stay in MLX's buffer cache, where the next prefill's
-            # buffers of other sizes would stack on them: handed back at once instead.
-            self.release_memory()
+        entry, quantized = quantize_at_store(self, model_key, tokens or (), entry, num_tokens,
+                                             stored_prefix)
         after = entry_nbytes(entry)
         with self._lock:
             self.counters.entries_stored += 1
@@ -208,16 +198,21 @@ class KVService(Holdings, Persistence, Reporting):
             self.counters.bytes_stored += after
             codec = entry_codec(entry)
             self._bytes_by_codec[codec] = self._bytes_by_codec.get(codec, 0) + after
-            if quantized is not None:
+            if quantized:
                 self.counters.entries_quantized += 1
         return entry
 
     def stored_prefix(self, model_key: str, tokens: Sequence[int]) -> list | None:
         """What :meth:`prepare_entry`'s codec may copy rows from (None when nothing is
-        quantized): call it before the entry's lent snapshot is settled."""
-        if not quantizes_at_store(self.settings):
+        quantized as it is stored): call it before the entry's lent snapshot is settled."""
+        if quantizes_at_store(self.settings):
+            return self.store.stored_prefix(model_key, tokens)
+        if self.store.demote is None:
             return None
-        return self.store.stored_prefix(model_key, tokens)
+        # under pressure only a demoted one: a full-precision donor has no rows to copy, and
+        # would keep the host's live layers whole beside the entry being trimmed
+        donor = self.store.stored_prefix(model_key, tokens)
+        return donor if donor and any(layer_bits(layer) is not None for layer in donor) else None
 
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
@@ -259,6 +254,7 @@ class KVService(Holdings, Persistence, Reporting):
         if prompt_len is None:
             prompt_len = self._recent_prompts.prompt_len(model_key, tokens)
         # under pressure: quantized here, not evaluated, where the budget cannot hold it
+        # (prepared at full precision: the store may have changed since)
         entry, demoted = fit_at_insert(self, model_key, tokens, entry)
         # Where another thread may take it (a cold tier's spill or shut-down flush, the demotion
         # worker, a host that serves it elsewhere), evaluated here: MLX cannot run a graph made

@@ -40,8 +40,9 @@ log = logging.getLogger("kvplugin.cache")
 #: next insert finds room without evicting.
 HIGH_WATER = 0.85
 
-#: ``demote(model_key, tokens, cache) -> quantized cache | None`` (None: keep it as it is). The
-#: cache list is the store's copy: the callable may consume it, not the layers' arrays.
+#: ``demote(model_key, tokens, cache[, stored_prefix]) -> quantized cache | None`` (None: keep
+#: it as it is). The cache list is the store's copy: the callable may consume it, not the
+#: layers' arrays. ``stored_prefix``: rows the codec may copy (a conversation's stored entry).
 Demote = Callable[[Any, Sequence[int], list], "list | None"]
 #: ``on_demote(tokens, cache, seconds)``: the worker demoted an entry, its codec taking ``seconds``.
 OnDemote = Callable[[Sequence[int], list, float], None]
@@ -88,13 +89,16 @@ class Demotion:
         with self._lock:
             return self._index.nbytes + nbytes > self._high_water()
 
-    def demote_at_insert(self, model_key: Any, tokens: Sequence[int], cache: list) -> list | None:
+    def demote_at_insert(self, model_key: Any, tokens: Sequence[int], cache: list,
+                         stored_prefix: list | None = None) -> list | None:
         """``cache`` quantized on the caller's thread, an entry the budget cannot hold at full
         precision (None: the codec declined or failed). The codec consumes ``cache`` itself,
-        so each full-precision layer goes as soon as its quantized one is made."""
+        so each full-precision layer goes as soon as its quantized one is made, and copies
+        the rows ``stored_prefix`` (the conversation's entry as stored) holds already."""
         before = entry_nbytes(cache)
         try:
-            demoted = self.demote(model_key, tokens, cache)
+            demoted = (self.demote(model_key, tokens, cache) if stored_prefix is None
+                       else self.demote(model_key, tokens, cache, stored_prefix))
         except Exception:
             log.exception("kvplugin: quantizing an entry to store failed; stored as it is")
             demoted = None
