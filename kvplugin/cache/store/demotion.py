@@ -43,7 +43,7 @@ HIGH_WATER = 0.85
 #: ``demote(model_key, tokens, cache[, stored_prefix]) -> quantized cache | None`` (None: keep
 #: it as it is). The cache list is the store's copy: the callable may consume it, not the
 #: layers' arrays. ``stored_prefix``: rows the codec may copy (a conversation's stored entry).
-Demote = Callable[[Any, Sequence[int], list], "list | None"]
+Demote = Callable[..., "list | None"]
 #: ``on_demote(tokens, cache, seconds)``: the worker demoted an entry, its codec taking ``seconds``.
 OnDemote = Callable[[Sequence[int], list, float], None]
 
