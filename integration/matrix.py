@@ -187,8 +187,10 @@ def tier_carried(cell: Cell, stats: dict) -> bool:
     return True
 
 
-def settle(srv: Any, quiet: float = 0.5, timeout: float = 20.0) -> dict:
-    """The stats once the server has stored what it answered (hosts answer, then store)."""
+def settle(srv: Any, quiet: float = 2.0, timeout: float = 30.0) -> dict:
+    """The stats once the server has stored what it answered (hosts answer, then store):
+    ``quiet`` seconds without a change, long enough for a store that CI's load delays past
+    the answer."""
     import time
 
     deadline = time.monotonic() + timeout
