@@ -14,7 +14,7 @@ from typing import Any
 
 from kvplugin.cache.layers import entry_nbytes, layer_bits
 
-__all__ = ["fit_at_insert", "quantize_at_store", "quantizes_at_store", "store_demotion"]
+__all__ = ["fit_at_insert", "is_quantized", "quantize_at_store", "quantizes_at_store", "store_demotion"]
 
 
 def quantizes_at_store(settings: Any) -> bool:
@@ -31,14 +31,7 @@ def store_demotion(service: Any) -> dict[str, Any]:
 
     def demote(model_key: Any, tokens: Sequence[int], cache: list,
                stored_prefix: list | None = None) -> list | None:
-        quantized = service.hook.kvplugin_quantize_entry(
-            cache=cache, num_tokens=len(tokens), settings=settings,
-            prompt_boundaries=service._recent_prompts.boundaries(model_key, tokens),
-            stored_prefix=stored_prefix, key_ropes=service.key_ropes,
-        )
-        if quantized is not None:
-            service.release_memory()  # the codec's temporaries, as after a store's quantize
-        return quantized
+        return _quantize(service, model_key, tokens, cache, len(tokens), stored_prefix)
 
     def on_demote(tokens: Sequence[int], cache: list, seconds: float) -> None:
         service._event("demote", len(tokens), cache, seconds)
@@ -53,26 +46,34 @@ def quantize_at_store(service: Any, model_key: Any, tokens: Sequence[int], entry
     precision (:func:`fit_at_insert`). ``stored_prefix``: the conversation's entry as the codec
     stored it, whose rows are copied rather than quantized again, so that a turn's codec work
     follows the tokens it adds."""
-    settings = service.settings
-    if quantizes_at_store(settings):
-        quantized = service.hook.kvplugin_quantize_entry(
-            cache=entry, num_tokens=num_tokens, settings=settings,
-            prompt_boundaries=service._recent_prompts.boundaries(model_key, tokens),
-            stored_prefix=stored_prefix, key_ropes=service.key_ropes,
-        )
+    if quantizes_at_store(service.settings):
+        quantized = _quantize(service, model_key, tokens, entry, num_tokens, stored_prefix)
         if quantized is None:
             return entry, False
         service._event("quantize", num_tokens, quantized)
-        # The codec's temporaries stay in MLX's buffer cache, where the next prefill's
-        # buffers of other sizes would stack on them: handed back at once instead.
-        service.release_memory()
         return quantized, True
-    if model_key is None or not tokens or _quantized(entry):
+    if model_key is None or not tokens or is_quantized(entry):
         return entry, False
     return fit_at_insert(service, model_key, tokens, entry, stored_prefix)
 
 
-def _quantized(entry: list) -> bool:
+def _quantize(service: Any, model_key: Any, tokens: Sequence[int], entry: list,
+              num_tokens: int, stored_prefix: list | None) -> list | None:
+    """The configured codec on ``entry`` (None: declined), for a store and a demotion alike.
+    The codec's temporaries stay in MLX's buffer cache, where the next prefill's buffers of
+    other sizes would stack on them: handed back at once instead."""
+    quantized = service.hook.kvplugin_quantize_entry(
+        cache=entry, num_tokens=num_tokens, settings=service.settings,
+        prompt_boundaries=service._recent_prompts.boundaries(model_key, tokens),
+        stored_prefix=stored_prefix, key_ropes=service.key_ropes,
+    )
+    if quantized is not None:
+        service.release_memory()
+    return quantized
+
+
+def is_quantized(entry: list) -> bool:
+    """Whether any layer of ``entry`` is stored quantized."""
     return any(layer_bits(layer) is not None for layer in entry)
 
 
@@ -86,7 +87,7 @@ def fit_at_insert(service: Any, model_key: Any, tokens: Sequence[int], entry: li
     store, nbytes = service.store, entry_nbytes(entry)
     if store.demote is None:
         return entry, False
-    if _quantized(entry):  # quantized as it was prepared: a demoted entry to the store
+    if is_quantized(entry):  # quantized as it was prepared: a demoted entry to the store
         return entry, True
     if store.fits_at_full_precision(model_key, tokens, nbytes):
         if store.above_high_water(nbytes):

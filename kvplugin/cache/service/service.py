@@ -37,7 +37,7 @@ from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.service.holdings import Holdings
 from kvplugin.cache.service.idle_hold import IdleHold
 from kvplugin.cache.service.persist import Persistence
-from kvplugin.cache.service.pressure import (fit_at_insert, quantize_at_store,
+from kvplugin.cache.service.pressure import (fit_at_insert, is_quantized, quantize_at_store,
                                              quantizes_at_store, store_demotion)
 from kvplugin.cache.service.report import Reporting
 from kvplugin.cache.service.counters import BatchPlan, Counters, entry_codec
@@ -212,7 +212,7 @@ class KVService(Holdings, Persistence, Reporting):
         # under pressure only a demoted one: a full-precision donor has no rows to copy, and
         # would keep the host's live layers whole beside the entry being trimmed
         donor = self.store.stored_prefix(model_key, tokens)
-        return donor if donor and any(layer_bits(layer) is not None for layer in donor) else None
+        return donor if donor and is_quantized(donor) else None
 
     def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
