@@ -221,6 +221,11 @@ class Bench:
         self.no_reuse = no_reuse
         self.runs: dict = {}
 
+    def forget(self, cell: Cell) -> None:
+        """Drop every kept run of ``cell``'s mode and family (a rerun starts afresh)."""
+        for key in [k for k in self.runs if (k[0].mode, k[0].family) == (cell.mode, cell.family)]:
+            del self.runs[key]
+
     def _starter(self, family: str, started: list, env: dict | None = None) -> Callable:
         def start(*flags: str) -> Any:
             started.append(self.start_server(self.host.cmd, *flags, env=env,

@@ -23,6 +23,10 @@ HOST = matrix.Host(cmd=harness.vllm_mlx_serve_cmd,
                    counted=lambda srv: served_by_engine(srv.get("/v1/cache/stats")))
 CELLS = matrix.cells(["simple", "batching"],
                      ["llama", *(f for f in FAMILIES if available(f, VERSION))])
+#: families on which vllm-mlx 0.6 itself, stock included, answers wrong in about one process
+#: in thirty (every answer of that process; docs/benchmarks.md, "A host fault on the tiny
+#: Qwen3-Next"): a failed cell of one gets one rerun, on fresh servers and fresh references
+UNSTEADY = frozenset({"qwen3_next"})
 
 def served_by_engine(stats: dict) -> int | None:
     """vllm-mlx's own prefix-cache count of prompt tokens served (its responses carry no
@@ -36,6 +40,10 @@ def bench(tiny_model, tmp_path_factory, start_server):
     return matrix.Bench(HOST, matrix.model_dirs(tiny_model, tmp_path_factory), start_server)
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
-def test_cell(cell, bench, redis_server, tmp_path):
+@pytest.mark.parametrize("cell", [
+    pytest.param(c, id=c.name, marks=[pytest.mark.flaky(reruns=1)] * (c.family in UNSTEADY))
+    for c in CELLS])
+def test_cell(cell, bench, redis_server, tmp_path, request):
+    if getattr(request.node, "execution_count", 1) > 1:  # a rerun: no reference reused
+        bench.forget(cell)
     bench.check(cell, redis_server, tmp_path)
