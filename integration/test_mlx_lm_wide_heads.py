@@ -1,9 +1,12 @@
-"""The 4-bit default on wide heads, behind a real ``mlx_lm.server``: a Gemma-3-shaped tiny
-model (sliding windows and a global layer, one KV head of 256, as Gemma 3 270M) stores its
-entries with 5-bit keys in groups of 128 on every layer, serves the next turn from them, and
-says so at start-up; a group size the user gives keeps 4-bit keys."""
+"""The 4- and 3-bit defaults on wide heads, behind a real ``mlx_lm.server``: a Gemma-3-shaped
+tiny model (sliding windows and a global layer, one KV head of 256, as Gemma 3 270M) stores its
+entries with 5-bit keys (3 bits: 4-bit keys, 2-bit values) in groups of 128 on every layer,
+serves the next turn from them, and says so at start-up; a group size the user gives keeps
+4-bit keys."""
 
 from __future__ import annotations
+
+import re
 
 import harness
 import pytest
@@ -32,22 +35,26 @@ def _chat(srv) -> list[dict]:
 def _layer_codecs(stats: dict) -> set[str]:
     """Each stored layer's codec name, without its protected tokens' suffix."""
     names = "+".join(stats["bytes_stored_by_codec"]).replace("+prerope", "").split("+")
-    return {name.split("-s")[0] for name in names}
+    return {re.sub(r"-s\d+r\d+.*", "", name) for name in names}
 
 
-def test_default_4bit_entries_take_5bit_keys_on_heads_of_256(start_server, wide_gemma):
+@pytest.mark.parametrize("bits, codec, said", [
+    ("4", "rotated-channel-k5v4", "k5v4"), ("3", "rotated-channel-sym-k4v2", "k4v2")])
+def test_default_entries_take_a_key_bit_more_on_heads_of_256(start_server, wide_gemma, bits,
+                                                             codec, said):
     full = start_server(harness.mlx_lm_server_cmd, model_dir=wide_gemma)
     reference = _chat(full)
     full.stop()
-    srv = start_server(harness.mlx_lm_server_cmd, *Q4, model_dir=wide_gemma)
+    srv = start_server(harness.mlx_lm_server_cmd, "--kv-cache-quantization-bits", bits,
+                       *Q4[2:], model_dir=wide_gemma)
     turns = _chat(srv)
     stats = srv.get("/kvplugin/stats")
-    assert _layer_codecs(stats) == {"rotated-channel-k5v4"}, stats["bytes_stored_by_codec"]
+    assert _layer_codecs(stats) == {codec}, stats["bytes_stored_by_codec"]
     kinds = {k for e in stats["entries"] for k in e["layers"]}
     assert {"QuantizedRotatingKVCache", "QuantizedKVCache"} <= kinds, kinds
     assert stats["store_hits"] >= 1 and stats["entries_quantized"] >= 1, stats
     assert cached_tokens(turns[1]) >= cached_tokens(reference[1]) > 0
-    assert "k5v4 in groups of 128 on heads it divides" in srv.log_text()
+    assert f"{said} in groups of 128 on heads it divides" in srv.log_text()
     srv.stop()
 
 

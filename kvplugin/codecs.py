@@ -12,12 +12,13 @@ last 16 kept at full precision lose several times less than ``affine`` at the sa
 server's multi-turn chat, where an entry is dequantized and quantized again at every turn,
 kept every answer with ``affine`` only, and ``affine`` dequantizes in half the time. At 3 bits
 and below ``rotated-channel-sym``: the same keys, values stored with a scale and no minimum,
-and 6 recent tokens, the size class that 3 bits are chosen for. At 4 bits, on heads a group
-of 128 divides, keys take a fifth bit paid for by scales over groups of 128
-(:data:`WIDE_HEAD_KEYS`): on a real sliding-window model (Gemma 3, heads of 256) that halved
-the error and kept 7 of 8 chat answers where 4-bit keys kept 5. As pre-RoPE keys, this is
-for entries with a sliding-window or ``--max-kv-size`` layer (every layer of them): entries of
-plain layers only met the 4-bit goals with 4-bit keys.
+and 6 recent tokens, the size class that 3 bits are chosen for. At 4 and 3 bits, on heads a group
+of 128 divides, keys take one bit more, paid for by scales over groups of 128 (and at 3 bits
+by a value bit: :data:`WIDE_HEADS`): on a real sliding-window model (Gemma 3, heads of 256)
+that halved the error at 4 bits and kept 7 of 8 chat answers where 4-bit keys kept 5, and at
+3 bits lowered it by a third at a smaller size. As pre-RoPE keys, this is for entries with a
+sliding-window or ``--max-kv-size`` layer (every layer of them): entries of plain layers only
+met the 4-bit goals with 4-bit keys.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 __all__ = ["CODECS", "CHANNEL_KEYS", "CHOICES", "SYM", "PRE_ROPE", "PREROPE_CODECS",
            "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan", "UnknownCodec",
-           "codec_plan", "fitting_codec", "layer_bits_group", "WIDE_HEAD_KEYS"]
+           "codec_plan", "fitting_codec", "layer_bits_group", "WIDE_HEADS"]
 
 CODECS = ("affine", "rotated", "rotated-channel", "rotated-channel-sym")  # what
 # kvplugin.cache.codec.quantize can read
@@ -51,9 +52,10 @@ PROTECTED_DEFAULT = (4, 16)
 PROTECT_BELOW_BITS = 6
 #: ... and for ``rotated-channel-sym``, whose point is size: 6 recent rows (docs/benchmarks.md)
 SYM_PROTECTED_DEFAULT = (4, 6)
-#: ``auto``'s 4-bit default on heads this group divides: (key bits, group), values at 4 bits
-#: (docs/benchmarks.md, "Five-bit keys and larger key groups"); narrower heads keep 4 and 64
-WIDE_HEAD_KEYS = (5, 128)
+#: ``auto``'s default of these bits on heads the group divides: (key bits, value bits, group)
+#: (docs/benchmarks.md, "Five-bit keys and larger key groups"); narrower heads keep the bits
+#: and groups of 64
+WIDE_HEADS = {4: (5, 4, 128), 3: (4, 2, 128)}
 #: What a codec's name ends with where its keys are stored pre-RoPE
 PRE_ROPE = "+prerope"
 #: The codecs whose keys ``--kv-cache-prerope-keys`` stores pre-RoPE (on rotating layers:
@@ -78,9 +80,9 @@ class CodecPlan:
     quantize_state: bool = True  # recurrent state rotated at 8 bits (cache/codec/state.py)
     #: rotating layers' keys stored pre-RoPE where their rope is known (cache/codec/prerope.py)
     prerope_keys: bool = False
-    #: (key bits, group) on layers whose heads that group divides, in entries with a window
-    #: (:func:`layer_bits_group`)
-    wide_head_keys: tuple[int, int] | None = None
+    #: (key bits, value bits, group) on layers whose heads that group divides, in entries
+    #: with a window (:func:`layer_bits_group`)
+    wide_head_keys: tuple[int, int, int] | None = None
 
     @property
     def name(self) -> str:
@@ -96,8 +98,8 @@ class CodecPlan:
         """:attr:`name`, and what heads a group of ``wide_head_keys`` divides take instead."""
         if not self.wide_head_keys:
             return self.name
-        bits, group = self.wide_head_keys
-        return (f"{self.name} (k{bits}v{self.value_bits} in groups of {group} on heads it "
+        kbits, vbits, group = self.wide_head_keys
+        return (f"{self.name} (k{kbits}v{vbits} in groups of {group} on heads it "
                 "divides, in entries with a window)")
 
 
@@ -120,7 +122,7 @@ def codec_plan(settings: Any) -> CodecPlan:
         recent = settings.kv_cache_recent_tokens
     prerope = codec in PREROPE_CODECS and getattr(settings, "kv_cache_prerope_keys", True)
     chosen = getattr(settings, "model_fields_set", set())  # what the user gave explicitly
-    wide = (WIDE_HEAD_KEYS if settings.kv_cache_codec == "auto" and key_bits == value_bits == 4
+    wide = (WIDE_HEADS.get(bits) if settings.kv_cache_codec == "auto" and key_bits == value_bits
             and not (settings.kv_cache_key_bits or settings.kv_cache_value_bits)
             and "kv_cache_quantization_group_size" not in chosen else None)
     return CodecPlan(codec, key_bits, value_bits,
@@ -128,13 +130,14 @@ def codec_plan(settings: Any) -> CodecPlan:
                      getattr(settings, "kv_cache_quantize_state", True), prerope, wide)
 
 
-def layer_bits_group(bits: int, group: int, wide_head_keys: tuple[int, int] | None,
-                     key_width: int, value_width: int) -> tuple[int, int]:
-    """One layer's key bits and group: ``wide_head_keys`` where its group divides both
-    widths, else ``bits`` and ``group``."""
-    if wide_head_keys and not (key_width % wide_head_keys[1] or value_width % wide_head_keys[1]):
+def layer_bits_group(key_bits: int, value_bits: int, group: int,
+                     wide_head_keys: tuple[int, int, int] | None,
+                     key_width: int, value_width: int) -> tuple[int, int, int]:
+    """One layer's key bits, value bits and group: ``wide_head_keys`` where its group divides
+    both widths, else the entry's."""
+    if wide_head_keys and not (key_width % wide_head_keys[2] or value_width % wide_head_keys[2]):
         return wide_head_keys
-    return bits, group
+    return key_bits, value_bits, group
 
 
 def fitting_codec(codec: str, key_width: int, value_width: int) -> str:

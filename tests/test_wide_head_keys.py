@@ -1,9 +1,12 @@
-"""The 4-bit default on wide heads: in an entry with a window (sliding, ``--max-kv-size``),
-keys take a fifth bit, paid for by groups of 128, on every layer whose heads a group of 128
-divides; narrower heads, entries of plain layers only and explicit choices keep 4-bit keys in
-groups of 64. Through the real service and the default quantize hook."""
+"""The 4- and 3-bit defaults on wide heads: in an entry with a window (sliding,
+``--max-kv-size``), keys take a bit more (4 bits: k5v4; 3 bits: k4v2), paid for by groups of
+128, on every layer whose heads a group of 128 divides; narrower heads, entries of plain
+layers only and explicit choices keep the bits in groups of 64. Through the real service and
+the default quantize hook."""
 
 from __future__ import annotations
+
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +14,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvplugin.cache.codec.quantize import dequantize_entry
-from kvplugin.codecs import WIDE_HEAD_KEYS, codec_plan, layer_bits_group
+from kvplugin.codecs import WIDE_HEADS, codec_plan, layer_bits_group
 from kvplugin.settings import resolve_settings
 
 N = 300
@@ -83,15 +86,31 @@ def test_explicit_choices_keep_4bit_keys_on_wide_heads(flags):
     assert (layer.bits, layer.group_size) == (4, 64)
 
 
-def test_only_the_4bit_default_widens():
-    for bits in (8, 3, 5):
+def test_only_the_4_and_3bit_defaults_widen():
+    for bits in (8, 5, 2):
         assert codec_plan(resolve_settings({"kv_cache_quantization_bits": bits})
                           ).wide_head_keys is None
     plan = codec_plan(resolve_settings({"kv_cache_quantization_bits": 4}))
-    assert plan.wide_head_keys == WIDE_HEAD_KEYS == (5, 128)
-    assert layer_bits_group(4, 64, plan.wide_head_keys, 256, 256) == (5, 128)
-    assert layer_bits_group(4, 64, plan.wide_head_keys, 64, 64) == (4, 64)
-    assert layer_bits_group(4, 64, plan.wide_head_keys, 256, 64) == (4, 64)
+    assert plan.wide_head_keys == WIDE_HEADS[4] == (5, 4, 128)
+    assert layer_bits_group(4, 4, 64, plan.wide_head_keys, 256, 256) == (5, 4, 128)
+    assert layer_bits_group(4, 4, 64, plan.wide_head_keys, 64, 64) == (4, 4, 64)
+    assert layer_bits_group(4, 4, 64, plan.wide_head_keys, 256, 64) == (4, 4, 64)
+    three = codec_plan(resolve_settings({"kv_cache_quantization_bits": 3}))
+    assert three.wide_head_keys == WIDE_HEADS[3] == (4, 2, 128)
+    assert three.codec == "rotated-channel-sym"  # the codec stays the 3-bit one
+    assert "k4v2 in groups of 128" in three.description
+
+
+def test_default_3bit_takes_4bit_keys_and_2bit_values_in_groups_of_128_on_wide_heads():
+    service = _service(kv_cache_quantization_bits=3)
+    stored = _stored(service, [_ring(256), _plain(256), _ring(64)])
+    assert [(layer.bits, getattr(layer, "kvplugin_value_bits", layer.bits), layer.group_size)
+            for layer in stored] == [(4, 2, 128), (4, 2, 128), (3, 3, 64)]
+    names = "+".join(service.stats()["bytes_stored_by_codec"]).split("+")
+    assert {re.sub(r"-s\d+r\d+.*", "", name) for name in names} == {
+        "rotated-channel-sym-k4v2", "rotated-channel-sym-k3v3"}
+    plain = _stored(_service(kv_cache_quantization_bits=3), [_plain(256)])
+    assert [(layer.bits, layer.group_size) for layer in plain] == [(3, 64)]
 
 
 def test_wide_head_entries_restore_closer_than_4bit_keys():

@@ -225,7 +225,7 @@ def quantize_entry(
     chunk_bytes: int | None = None,
     quantize_state: bool = False,
     key_ropes: Any = None,
-    wide_head_keys: tuple[int, int] | None = None,
+    wide_head_keys: tuple[int, int, int] | None = None,
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
@@ -248,7 +248,7 @@ def quantize_entry(
     state (``ArraysCache``) stored rotated at 8 bits too (:mod:`kvplugin.cache.codec.state`).
     ``key_ropes``: each layer's key rope or None (:func:`kvplugin.cache.model.rope.key_ropes`,
     one per layer of ``cache``): per-channel keys of those layers are stored pre-RoPE.
-    ``wide_head_keys``: (key bits, group) of layers whose heads that group divides
+    ``wide_head_keys``: (key bits, value bits, group) of layers whose heads that group divides
     (:func:`kvplugin.codecs.layer_bits_group`).
     """
     validate_bits_group(bits, group_size)
@@ -280,10 +280,10 @@ def quantize_entry(
                                      chunk_bytes=chunk_bytes, quantize_state=quantize_state,
                                      wide_head_keys=wide_head_keys)
         keys = getattr(layer, "keys", None)  # a quantized layer's are a tuple: kept as is
-        kbits, group = (layer_bits_group(bits, group_size, wide_head_keys, keys.shape[-1],
-                                         layer.values.shape[-1])
-                        if isinstance(keys, mx.array) else (bits, group_size))
-        vbits = value_bits if kbits == bits else (value_bits or bits)
+        kbits, vbits, group = (
+            layer_bits_group(bits, value_bits or bits, group_size, wide_head_keys,
+                             keys.shape[-1], layer.values.shape[-1])
+            if isinstance(keys, mx.array) else (bits, value_bits or bits, group_size))
         if is_quantizable(layer, group):
             return i, _quantize_layer(layer, kbits, group, codec, vbits, sink_tokens,
                                       recent_tokens, prompt_boundaries, donors[i], chunk_bytes,

@@ -93,9 +93,10 @@ def default_codecs(widths: tuple[int, int] = (64, 64), windowed: bool = False
             kv_cache_quantization_bits=bits, kv_cache_key_bits=None, kv_cache_value_bits=None,
             kv_cache_codec="auto", kv_cache_sink_tokens=None, kv_cache_recent_tokens=None,
             kv_cache_quantization_group_size=64))
-        kbits, group = layer_bits_group(plan.key_bits, plan.group_size,
-                                        plan.wide_head_keys if windowed else None, *widths)
-        out[f"{plan.codec}-k{kbits}v{plan.value_bits}-g{group}"
+        kbits, vbits, group = layer_bits_group(plan.key_bits, plan.value_bits, plan.group_size,
+                                               plan.wide_head_keys if windowed else None,
+                                               *widths)
+        out[f"{plan.codec}-k{kbits}v{vbits}-g{group}"
             f"-s{plan.sink_tokens}r{plan.recent_tokens}"
             f"{PRE_ROPE_SERVED if plan.prerope_keys else ''}"] = bits
     return out
