@@ -126,3 +126,15 @@ def test_pre_rope_keys_follow_each_slot_of_a_wrapped_ring():
     for slot, p in enumerate(positions):
         assert mx.allclose(unrotated[..., slot, :], raw[p][..., 0, :], atol=1e-5)
     assert mx.allclose(turn(unrotated, rope, runs, 1.0), ring.keys, atol=1e-5)
+
+
+def test_the_default_codecs_of_a_windowed_wide_head_model_follow_the_per_layer_rule():
+    """On heads of 256 with a window (Gemma 3) the bench measures what a server stores there:
+    k5v4 and k4v2 in groups of 128; without a window, the plain defaults."""
+    from kvplugin.tools.bench.codec_quality import default_codecs
+
+    wide = default_codecs((256, 256), windowed=True)
+    assert wide == {"affine-k8v8-g64-s0r0": 8,
+                    "rotated-channel-k5v4-g128-s4r16+prerope-served": 4,
+                    "rotated-channel-sym-k4v2-g128-s4r6": 3}
+    assert default_codecs((256, 256), windowed=False) == default_codecs()
