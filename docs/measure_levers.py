@@ -7,7 +7,7 @@ bench process, so the measured levers cost the engine no code. Two modes:
     python docs/measure_levers.py quality [kvplugin bench --quality --real-model options]
     python docs/measure_levers.py restore [rounds]
     python docs/measure_levers.py state BITS [kvplugin bench --quality --hybrid options]
-    python docs/measure_levers.py restore-wide [rounds]
+    python docs/measure_levers.py restore-wide [rounds] [bits]
 
 ``quality`` runs the real-model codec bench; a codec spec may start with lever tokens, each
 followed by ``~``:
@@ -34,7 +34,8 @@ channels written back, interleaved, in ms per MiB of fp16 entry.
 
 ``restore-wide`` times the restore of a Gemma-3-shaped entry (15 rings of 512 and 3 plain
 layers of 1,200 tokens, 1 KV head x 256) at the 4-bit default of heads that wide (5-bit keys,
-groups of 128) against 4-bit keys in groups of 64, interleaved, in ms per MiB of fp16 entry.
+groups of 128) against 4-bit keys in groups of 64, interleaved, in ms per MiB of fp16 entry;
+with ``bits`` 3, the 3-bit default's (k4v2 in groups of 128 against k3v3 in groups of 64).
 
 ``state`` runs the hybrid bench with recurrent state quantized at ``BITS`` instead of 8 (its
 rows still say "8-bit" for the quantized state).
@@ -382,7 +383,13 @@ def _print_times(times: dict, base_name: str, label) -> None:
               f"best {xs[0] / base[0]:.2f} median {xs[mid] / base[mid]:.2f}")
 
 
-def wide_restore_times(rounds: int) -> None:
+#: per ``restore-wide`` bits: the codec, its protection, and (key bits, value bits, group) of
+#: the narrow default, then of the wide one
+WIDE_PAIRS = {4: ("rotated-channel", 16, ((4, 4, 64), (5, 4, 128))),
+              3: (SYM, 6, ((3, 3, 64), (4, 2, 128)))}
+
+
+def wide_restore_times(rounds: int, bits: int = 4) -> None:
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     from kvplugin.cache.layers import entry_nbytes
@@ -403,12 +410,14 @@ def wide_restore_times(rounds: int) -> None:
                 k = mx.random.normal((1, 1, 1, 256)).astype(mx.float16)
                 layer.update_and_fetch(k, k)
         layers.append(layer)
-    ropes = [KeyRope(dims=256, traditional=False, base=10000.0, scale=1.0)] * 18
+    codec, recent, pairs = WIDE_PAIRS[bits]
+    ropes = ([KeyRope(dims=256, traditional=False, base=10000.0, scale=1.0)] * 18
+             if codec != SYM else None)  # the 3-bit codec's keys stay post-RoPE
     mib = entry_nbytes(layers) / 2**20
-    stored = {f"k{b}v4-g{g}": qz.quantize_entry(layers, bits=b, value_bits=4, group_size=g,
-                                                 codec="rotated-channel", sink_tokens=4,
-                                                 recent_tokens=16, key_ropes=ropes).cache
-              for b, g in ((4, 64), (5, 128))}
+    stored = {f"k{kb}v{vb}-g{g}": qz.quantize_entry(layers, bits=kb, value_bits=vb,
+                                                     group_size=g, codec=codec, sink_tokens=4,
+                                                     recent_tokens=recent, key_ropes=ropes).cache
+              for kb, vb, g in pairs}
     times: dict = {name: [] for name in stored}
     for _ in range(rounds):
         for name, q in stored.items():
@@ -416,7 +425,7 @@ def wide_restore_times(rounds: int) -> None:
             back = qz.dequantize_entry(q, key_ropes=ropes)
             mx.eval([a for layer in back for a in (layer.keys, layer.values)])
             times[name].append((time.perf_counter() - t) * 1000 / mib)
-    _print_times(times, "k4v4-g64", lambda name: f"{name} "
+    _print_times(times, next(iter(stored)), lambda name: f"{name} "
                  f"({entry_nbytes(stored[name]) / 2**20 / mib:.3f}x fp16)")
 
 
@@ -425,7 +434,7 @@ if __name__ == "__main__":
     if mode == "restore":
         restore_times(int(rest[0]) if rest else 9)
     elif mode == "restore-wide":
-        wide_restore_times(int(rest[0]) if rest else 9)
+        wide_restore_times(int(rest[0]) if rest else 9, int(rest[1]) if len(rest) > 1 else 4)
     elif mode == "state":
         from kvplugin.cache.codec import state
         from kvplugin.tools.bench import state_quality
