@@ -122,7 +122,7 @@ def codec_plan(settings: Any) -> CodecPlan:
         recent = settings.kv_cache_recent_tokens
     prerope = codec in PREROPE_CODECS and getattr(settings, "kv_cache_prerope_keys", True)
     chosen = getattr(settings, "model_fields_set", set())  # what the user gave explicitly
-    wide = (WIDE_HEADS.get(bits) if settings.kv_cache_codec == "auto" and key_bits == value_bits
+    wide = (WIDE_HEADS.get(bits) if settings.kv_cache_codec == "auto"
             and not (settings.kv_cache_key_bits or settings.kv_cache_value_bits)
             and "kv_cache_quantization_group_size" not in chosen else None)
     return CodecPlan(codec, key_bits, value_bits,
