@@ -35,7 +35,9 @@ channels written back, interleaved, in ms per MiB of fp16 entry.
 ``restore-wide`` times the restore of a Gemma-3-shaped entry (15 rings of 512 and 3 plain
 layers of 1,200 tokens, 1 KV head x 256) at the 4-bit default of heads that wide (5-bit keys,
 groups of 128) against 4-bit keys in groups of 64, interleaved, in ms per MiB of fp16 entry;
-with ``bits`` 3, the 3-bit default's (k4v2 in groups of 128 against k3v3 in groups of 64).
+with ``bits`` 3, the 3-bit default's (k4v2 in groups of 128 against k3v3 in groups of 64);
+with ``bits`` 8, the 8-bit default of entries with a window (``rotated-channel``) against
+``affine``.
 
 ``state`` runs the hybrid bench with recurrent state quantized at ``BITS`` instead of 8 (its
 rows still say "8-bit" for the quantized state).
@@ -367,7 +369,7 @@ def restore_times(rounds: int) -> None:
             for name, change in names.items():
                 mode.update({"nuk": False, "nuv": False, "out": 0}, **change)
                 t = time.perf_counter()
-                back = qz.dequantize_entry(q, key_ropes=ropes)
+                back = qz.dequantize_entry(q, key_ropes=ropes[name])
                 mx.eval([a for layer in back for a in (layer.keys, layer.values)])
                 times[name].append((time.perf_counter() - t) * 1000 / mib)
         _print_times(times, "today", lambda name: f"{kind:5s} {name:5s}")
@@ -383,10 +385,12 @@ def _print_times(times: dict, base_name: str, label) -> None:
               f"best {xs[0] / base[0]:.2f} median {xs[mid] / base[mid]:.2f}")
 
 
-#: per ``restore-wide`` bits: the codec, its protection, and (key bits, value bits, group) of
-#: the narrow default, then of the wide one
-WIDE_PAIRS = {4: ("rotated-channel", 16, ((4, 4, 64), (5, 4, 128))),
-              3: (SYM, 6, ((3, 3, 64), (4, 2, 128)))}
+#: per ``restore-wide`` bits: the default before the window rule, then with it, each as
+#: (codec, recent tokens kept, (key bits, value bits, group), keys pre-RoPE)
+WIDE_PAIRS = {4: (("rotated-channel", 16, (4, 4, 64), True),
+                  ("rotated-channel", 16, (5, 4, 128), True)),
+              3: ((SYM, 6, (3, 3, 64), False), (SYM, 6, (4, 2, 128), False)),
+              8: (("affine", 0, (8, 8, 64), False), ("rotated-channel", 0, (8, 8, 64), False))}
 
 
 def wide_restore_times(rounds: int, bits: int = 4) -> None:
@@ -410,19 +414,20 @@ def wide_restore_times(rounds: int, bits: int = 4) -> None:
                 k = mx.random.normal((1, 1, 1, 256)).astype(mx.float16)
                 layer.update_and_fetch(k, k)
         layers.append(layer)
-    codec, recent, pairs = WIDE_PAIRS[bits]
-    ropes = ([KeyRope(dims=256, traditional=False, base=10000.0, scale=1.0)] * 18
-             if codec != SYM else None)  # the 3-bit codec's keys stay post-RoPE
+    rope = [KeyRope(dims=256, traditional=False, base=10000.0, scale=1.0)] * 18
     mib = entry_nbytes(layers) / 2**20
-    stored = {f"k{kb}v{vb}-g{g}": qz.quantize_entry(layers, bits=kb, value_bits=vb,
-                                                     group_size=g, codec=codec, sink_tokens=4,
-                                                     recent_tokens=recent, key_ropes=ropes).cache
-              for kb, vb, g in pairs}
+    stored, ropes = {}, {}
+    for codec, recent, (kb, vb, g), prerope in WIDE_PAIRS[bits]:
+        name = f"{codec}-k{kb}v{vb}-g{g}"
+        ropes[name] = rope if prerope else None
+        stored[name] = qz.quantize_entry(layers, bits=kb, value_bits=vb, group_size=g,
+                                         codec=codec, sink_tokens=4 if recent else 0,
+                                         recent_tokens=recent, key_ropes=ropes[name]).cache
     times: dict = {name: [] for name in stored}
     for _ in range(rounds):
         for name, q in stored.items():
             t = time.perf_counter()
-            back = qz.dequantize_entry(q, key_ropes=ropes)
+            back = qz.dequantize_entry(q, key_ropes=ropes[name])
             mx.eval([a for layer in back for a in (layer.keys, layer.values)])
             times[name].append((time.perf_counter() - t) * 1000 / mib)
     _print_times(times, next(iter(stored)), lambda name: f"{name} "

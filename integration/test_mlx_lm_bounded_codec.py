@@ -1,12 +1,12 @@
-"""4-bit entries of a bounded real model keep its answers: SmolLM2-135M-Instruct (float32,
+"""4- and 8-bit entries of a bounded real model keep its answers: SmolLM2-135M-Instruct (float32,
 OpenBLAS) behind a real ``mlx_lm.server`` with ``KVPLUGIN_MAX_KV_SIZE=512``, so every layer
 is a rotating one and the ring wraps within the system prompt.
 
 Two greedy multi-turn chats of 4 questions each, behind ~900-token real-text system prompts,
 run once with full-precision entries (what the bounded server answers; stock mlx-lm's server
 cannot bound its cache, and kvplugin's fp16 entries answer as mlx-lm's own bounded
-generation does, ``test_mlx_lm_max_kv_smollm2``) and once with the default 4-bit entries,
-which store every ring with the whole codec (keys per channel over the slots, the ``keep``
+generation does, ``test_mlx_lm_max_kv_smollm2``) and once each with the default 4- and 8-bit
+entries, which store every ring with keys per channel over the slots (at 4 bits the ``keep``
 and the newest tokens at full precision). At least 7 of the 8 answers must be identical, the
 later turns must be served from stored quantized entries, and each turn must reuse as many
 prompt tokens as the full-precision server did.
@@ -70,19 +70,33 @@ def _run(start_server, model_dir, *flags: str) -> tuple[list[dict], dict]:
     return out, stats
 
 
-def test_default_4bit_entries_keep_7_of_8_bounded_answers(start_server, smollm2_dir):
+@pytest.fixture(scope="module")
+def full_precision(start_server, smollm2_dir) -> list[dict]:
+    """The bounded server's own answers: kvplugin's full-precision entries."""
     full, _ = _run(start_server, smollm2_dir)
-    q4, stats = _run(start_server, smollm2_dir, "--kv-cache-quantization-bits", "4")
     assert all(r["usage"]["prompt_tokens"] > N + 200 for r in full), [r["usage"] for r in full]
-    same = [answer_text(a) == answer_text(b) for a, b in zip(q4, full)]
-    assert sum(same) >= 7, [(answer_text(a), answer_text(b)) for a, b in zip(q4, full)]
-    for mine, theirs in zip(q4, full):
+    return full
+
+
+# per width: the codec every stored ring names, and the bytes stored at most x fp16's.
+# 8 bits: ``affine`` on plain entries, ``rotated-channel`` on entries with a window (these)
+EXPECTED = {4: ("rotated-channel-k4v4-s4r16+prerope", 0.35), 8: ("rotated-channel-k8v8", 0.56)}
+
+
+@pytest.mark.parametrize("bits", sorted(EXPECTED))
+def test_default_entries_keep_7_of_8_bounded_answers(start_server, smollm2_dir,
+                                                    full_precision, bits):
+    quantized, stats = _run(start_server, smollm2_dir, "--kv-cache-quantization-bits", str(bits))
+    same = [answer_text(a) == answer_text(b) for a, b in zip(quantized, full_precision)]
+    assert sum(same) >= 7, [(answer_text(a), answer_text(b))
+                            for a, b in zip(quantized, full_precision)]
+    for mine, theirs in zip(quantized, full_precision):
         assert cached_tokens(mine) >= cached_tokens(theirs), (mine["usage"], theirs["usage"])
-    assert stats["quantization"]["codec"] == "rotated-channel", stats
     assert stats["entries_quantized"] >= 6 and stats["store_hits"] >= 6, stats
     layers = {k for e in stats["entries"] for k in e["layers"]}
     assert layers == {"QuantizedRotatingKVCache"}, layers
-    # the keep tokens (4) and the newest 16 per ring, keys stored pre-RoPE (SmolLM2's
-    # rope is known): every stored layer says so
-    assert set(stats["bytes_stored_by_codec"]) == {"rotated-channel-k4v4-s4r16+prerope"}, stats
-    assert stats["bytes_stored"] < 0.35 * stats["bytes_before"], stats
+    # 4 bits: the keep tokens (4) and the newest 16 per ring, keys stored pre-RoPE (SmolLM2's
+    # rope is known); 8 bits: keys per channel, post-RoPE, nothing protected
+    named, share = EXPECTED[bits]
+    assert set(stats["bytes_stored_by_codec"]) == {named}, stats
+    assert stats["bytes_stored"] < share * stats["bytes_before"], stats

@@ -73,7 +73,9 @@ def test_codec_bench_runs_on_any_model_directory(family, max_kv, tmp_path):
     assert ", 1 real-text window" in data["title"]
     (row,) = data["rows"]
     assert row["codec"] == "affine-k8v8-g64-s0r0"
-    assert (row["key_bits"], row["value_bits"], row["default_for_bits"]) == (8, 8, 8)
+    windowed = family == "gemma3_text" or max_kv  # 8 bits there: rotated-channel by default
+    assert (row["key_bits"], row["value_bits"], row["default_for_bits"]) == (
+        8, 8, None if windowed else 8)
     assert 0 <= row["free_running"] <= 1 and row["restore_ms_per_mib"] > 0
     if family == "mamba":  # nothing but recurrent state: stored as it is (its own codec aside)
         assert data["note"] == "prefix_kl columns empty: recurrent state cannot be cut back"
@@ -130,11 +132,12 @@ def test_pre_rope_keys_follow_each_slot_of_a_wrapped_ring():
 
 def test_the_default_codecs_of_a_windowed_wide_head_model_follow_the_per_layer_rule():
     """On heads of 256 with a window (Gemma 3) the bench measures what a server stores there:
-    k5v4 and k4v2 in groups of 128; without a window, the plain defaults."""
+    rotated-channel at 8 bits, k5v4 and k4v2 in groups of 128; without a window, the plain
+    defaults."""
     from kvplugin.tools.bench.codec_quality import default_codecs
 
     wide = default_codecs((256, 256), windowed=True)
-    assert wide == {"affine-k8v8-g64-s0r0": 8,
+    assert wide == {"rotated-channel-k8v8-g64-s0r0": 8,
                     "rotated-channel-k5v4-g128-s4r16+prerope-served": 4,
                     "rotated-channel-sym-k4v2-g128-s4r6": 3}
     assert default_codecs((256, 256), windowed=False) == default_codecs()

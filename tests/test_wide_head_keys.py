@@ -1,8 +1,9 @@
 """The 4- and 3-bit defaults on wide heads: in an entry with a window (sliding,
 ``--max-kv-size``), keys take a bit more (4 bits: k5v4; 3 bits: k4v2), paid for by groups of
 128, on every layer whose heads a group of 128 divides; narrower heads, entries of plain
-layers only and explicit choices keep the bits in groups of 64. Through the real service and
-the default quantize hook."""
+layers only and explicit choices keep the bits in groups of 64. At 8 bits an entry with a
+window takes ``rotated-channel`` where plain entries take ``affine``. Through the real service
+and the default quantize hook."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvplugin.cache.codec.quantize import dequantize_entry
-from kvplugin.codecs import WIDE_HEADS, codec_plan, layer_bits_group
+from kvplugin.codecs import CODEC_ATTR, WIDE_HEADS, WINDOW_CODECS, codec_plan, layer_bits_group
 from kvplugin.settings import resolve_settings
 
 N = 300
@@ -129,3 +130,54 @@ def test_wide_head_entries_restore_closer_than_4bit_keys():
                    for b, s, n in zip(back, source, rows))
 
     assert key_error() < 0.75 * key_error(kv_cache_quantization_group_size=64)
+
+
+def test_default_8bit_takes_rotated_channel_keys_in_an_entry_with_a_window():
+    service = _service(kv_cache_quantization_bits=8)
+    stored = _stored(service, [_ring(64), _plain(64)])
+    assert [getattr(layer, CODEC_ATTR, "affine") for layer in stored] == [
+        "rotated-channel", "rotated-channel"]  # the window's global layer too
+    assert [(layer.bits, layer.group_size) for layer in stored] == [(8, 64), (8, 64)]
+    assert set(service.stats()["bytes_stored_by_codec"]) == {"rotated-channel-k8v8"}  # keys
+    # post-RoPE, nothing protected: the row measured on Gemma 3
+    plain = _stored(_service(kv_cache_quantization_bits=8), [_plain(64)])
+    assert getattr(plain[0], CODEC_ATTR, "affine") == "affine"
+    stats = service.stats()["quantization"]
+    assert (stats["codec"], stats["window_codec"]) == ("affine", WINDOW_CODECS[8])
+
+
+def test_8bit_windowed_keys_restore_closer_than_affine():
+    """What the window codec is for: per-channel keys come back closer than per-token affine
+    ones at the same bits (keys with outlier channels, as real keys have)."""
+    def key_error(**flags) -> float:
+        stored = _stored(_service(kv_cache_quantization_bits=8, **flags), [_ring(64)])
+        back, source = dequantize_entry(list(stored))[0], _ring(64)
+        return float(mx.abs(back.keys.astype(mx.float32)
+                            - source.keys.astype(mx.float32)).mean())
+
+    assert key_error() < 0.75 * key_error(kv_cache_codec="affine")
+
+
+@pytest.mark.parametrize("flags", [
+    {"kv_cache_codec": "affine"},  # a codec the user named is kept on every layer
+    {"kv_cache_key_bits": 8},
+    {"kv_cache_quantization_bits": 4},  # 4 bits are rotated-channel everywhere already
+])
+def test_explicit_choices_and_other_widths_take_no_window_codec(flags):
+    settings = {"kv_cache_quantization_bits": 8, **flags}
+    plan = codec_plan(resolve_settings(settings))
+    assert plan.window_codec is None
+    assert plan.codec_for(True) == plan.codec
+    layer = _stored(_service(**settings), [_ring(64)])[0]
+    assert getattr(layer, CODEC_ATTR, "affine") == plan.codec
+
+
+def test_the_window_codec_is_in_the_start_up_line_and_the_remote_namespace():
+    from kvplugin.default_plugins.storage import entry_format
+
+    settings = resolve_settings({"kv_cache_quantization": True, "kv_cache_quantization_bits": 8})
+    assert "rotated-channel in entries with a window" in codec_plan(settings).description
+    assert entry_format(settings).endswith(":window-rotated-channel")
+    assert "window" not in entry_format(resolve_settings({
+        "kv_cache_quantization": True, "kv_cache_quantization_bits": 8,
+        "kv_cache_codec": "affine"}))

@@ -42,11 +42,12 @@ def kvplugin_quantize_entry(
     from kvplugin.codecs import codec_plan
 
     plan = codec_plan(settings)
+    windowed = has_window(cache)
     result = quantize.quantize_entry(
         cache,
         bits=plan.key_bits,
         value_bits=plan.value_bits,
-        codec=plan.codec,
+        codec=plan.codec_for(windowed),
         sink_tokens=plan.sink_tokens,
         recent_tokens=plan.recent_tokens,
         group_size=plan.group_size,
@@ -55,7 +56,7 @@ def kvplugin_quantize_entry(
         quantize_state=plan.quantize_state,
         key_ropes=window_ropes(cache, key_ropes) if plan.prerope_keys else None,
         # as pre-RoPE keys: where an entry has a window (all-plain entries measured fine)
-        wide_head_keys=plan.wide_head_keys if has_window(cache) else None,
+        wide_head_keys=plan.wide_head_keys if windowed else None,
         consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None

@@ -19,6 +19,7 @@ Imports only ``mlx.core`` and ``mlx_lm.models.cache``; works on mlx-lm 0.31.3 an
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -452,11 +453,12 @@ def warm_up(plan: Any) -> None:
     :mod:`kvplugin.default_plugins.quantize`)."""
     rows = 2 * plan.group_size + plan.sink_tokens + plan.recent_tokens + 1
     ramp = mx.arange(rows * plan.group_size, dtype=mx.float32).reshape(1, 1, rows, -1)
-    for dtype in (mx.float16, mx.bfloat16, mx.float32):
+    codecs = dict.fromkeys((plan.codec, plan.window_codec or plan.codec))  # both, in order
+    for codec, dtype in itertools.product(codecs, (mx.float16, mx.bfloat16, mx.float32)):
         layer = KVCache()
         layer.update_and_fetch((ramp / rows).astype(dtype), (-ramp / rows).astype(dtype))
         stored = quantize_entry([layer], bits=plan.key_bits, value_bits=plan.value_bits,
-                                group_size=plan.group_size, codec=plan.codec,
+                                group_size=plan.group_size, codec=codec,
                                 sink_tokens=plan.sink_tokens, recent_tokens=plan.recent_tokens,
                                 consume=True).cache
         restored = dequantize_entry(stored, consume=True)

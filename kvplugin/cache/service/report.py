@@ -50,7 +50,7 @@ class Reporting:
              "codec": plan.codec, "codec_setting": s.kv_cache_codec,
              "key_bits": plan.key_bits, "value_bits": plan.value_bits,
              "sink_tokens": plan.sink_tokens, "recent_tokens": plan.recent_tokens,
-             "wide_head_keys": plan.wide_head_keys,
+             "wide_head_keys": plan.wide_head_keys, "window_codec": plan.window_codec,
              "policy": s.kv_cache_quantization_policy}
             if s.kv_cache_quantization else None
         )

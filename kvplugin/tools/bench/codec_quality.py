@@ -96,7 +96,7 @@ def default_codecs(widths: tuple[int, int] = (64, 64), windowed: bool = False
         kbits, vbits, group = layer_bits_group(plan.key_bits, plan.value_bits, plan.group_size,
                                                plan.wide_head_keys if windowed else None,
                                                *widths)
-        out[f"{plan.codec}-k{kbits}v{vbits}-g{group}"
+        out[f"{plan.codec_for(windowed)}-k{kbits}v{vbits}-g{group}"
             f"-s{plan.sink_tokens}r{plan.recent_tokens}"
             f"{PRE_ROPE_SERVED if plan.prerope_keys else ''}"] = bits
     return out
