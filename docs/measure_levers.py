@@ -32,7 +32,7 @@ x 64; 1,200 tokens plain, or rings of 512 wrapped) at the 4-bit default, today's
 restore against the same with the level lookups (keys, keys and values) or N fp16 key
 channels written back, interleaved, in ms per MiB of fp16 entry.
 
-``restore-wide`` times the restore of a Gemma-3-shaped entry (15 rings of 512 and 3 plain
+``restore-wide`` times the quantize and the restore of a Gemma-3-shaped entry (15 rings of 512 and 3 plain
 layers of 1,200 tokens, 1 KV head x 256) at the 4-bit default of heads that wide (5-bit keys,
 groups of 128) against 4-bit keys in groups of 64, interleaved, in ms per MiB of fp16 entry;
 with ``bits`` 3, the 3-bit default's (k4v2 in groups of 128 against k3v3 in groups of 64);
@@ -416,23 +416,31 @@ def wide_restore_times(rounds: int, bits: int = 4) -> None:
         layers.append(layer)
     rope = [KeyRope(dims=256, traditional=False, base=10000.0, scale=1.0)] * 18
     mib = entry_nbytes(layers) / 2**20
-    stored, ropes = {}, {}
+    mx.eval([a for layer in layers for a in (layer.keys, layer.values)])
+    stored, ropes, codecs = {}, {}, {}
+    quantize_times: dict = {}
     for codec, recent, (kb, vb, g), prerope in WIDE_PAIRS[bits]:
         name = f"{codec}-k{kb}v{vb}-g{g}"
-        ropes[name] = rope if prerope else None
-        stored[name] = qz.quantize_entry(layers, bits=kb, value_bits=vb, group_size=g,
-                                         codec=codec, sink_tokens=4 if recent else 0,
-                                         recent_tokens=recent, key_ropes=ropes[name]).cache
-    times: dict = {name: [] for name in stored}
+        ropes[name], quantize_times[name] = (rope if prerope else None), []
+        codecs[name] = dict(bits=kb, value_bits=vb, group_size=g, codec=codec,
+                            sink_tokens=4 if recent else 0, recent_tokens=recent)
+    times: dict = {name: [] for name in codecs}
     for _ in range(rounds):
-        for name, q in stored.items():
+        for name, kwargs in codecs.items():
             t = time.perf_counter()
-            back = qz.dequantize_entry(q, key_ropes=ropes[name])
+            stored[name] = qz.quantize_entry(layers, key_ropes=ropes[name], **kwargs).cache
+            mx.eval([(layer.keys, layer.values) for layer in stored[name]])
+            quantize_times[name].append((time.perf_counter() - t) * 1000 / mib)
+            t = time.perf_counter()
+            back = qz.dequantize_entry(stored[name], key_ropes=ropes[name])
             mx.eval([a for layer in back for a in (layer.keys, layer.values)])
             times[name].append((time.perf_counter() - t) * 1000 / mib)
-    _print_times(times, next(iter(stored)), lambda name: f"{name} "
+    first = next(iter(codecs))
+    print("restore:")
+    _print_times(times, first, lambda name: f"{name} "
                  f"({entry_nbytes(stored[name]) / 2**20 / mib:.3f}x fp16)")
-
+    print("quantize:")
+    _print_times(quantize_times, first, str)
 
 if __name__ == "__main__":
     mode, rest = sys.argv[1], sys.argv[2:]
