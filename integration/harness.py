@@ -110,13 +110,17 @@ def briefing(i: int) -> dict:
 
 
 def wait_published(srv: ServerProcess, n: int, timeout: float = 30.0,
-                   quiet: float = 1.0) -> dict:
+                   quiet: float = 1.0, *, stored: int = 0, tokens: int = 0) -> dict:
     """Wait until ``srv`` has written ``n`` entries to the remote tier and then gone
-    ``quiet`` seconds with nothing queued and no further write; its stats.
+    ``quiet`` seconds with nothing queued and no further write; its stats. With ``stored``
+    and ``tokens``: only once it has stored that many entries in all and holds one of at
+    least ``tokens`` tokens (the request the caller waits for).
 
     The host may store more than one entry per request (mlx-lm 0.32's batched path stores
     the system-prompt segment, then the whole conversation once the answer is sent), so
-    the n-th write alone does not mean the request's writes are done."""
+    the n-th write alone does not mean the request's writes are done; and a host stores after
+    it answers, so on a loaded machine the quiet time could pass before the entry was even
+    stored (a replica then missed it in CI): the entry itself is what is waited for."""
     import time
 
     deadline = time.monotonic() + timeout
@@ -124,7 +128,9 @@ def wait_published(srv: ServerProcess, n: int, timeout: float = 30.0,
     while True:
         stats = srv.get("/kvplugin/stats")
         state = (stats["remote_puts"], stats["remote_queued_bytes"])
-        if state != last:
+        held = (stats["entries_stored"] >= stored
+                and any(e["tokens"] >= tokens for e in stats["entries"]))
+        if state != last or not held:
             last, since = state, time.monotonic()
         elif (stats["remote_puts"] >= n and not stats["remote_queued_bytes"]
               and time.monotonic() - since >= quiet):
@@ -359,16 +365,18 @@ def check_salt_crosses_redis(one: ServerProcess, two: ServerProcess, redis_serve
     ``ask(srv, system, question, salt)`` returns the response."""
     from kvplugin.cache.tiers.remote_keys import PREFIX
 
-    puts = one.get("/kvplugin/stats")["remote_puts"]
+    before = one.get("/kvplugin/stats")
     ask(one, system, "Describe the morning mist.", salt_a)
-    wait_published(one, puts + 1)
+    wait_published(one, before["remote_puts"] + 1, stored=before["entries_stored"] + 1)
     before = two.get("/kvplugin/stats")
     miss = ask(two, system, "Where is the market?", salt_b)
     assert cached_tokens(miss) == 0, miss["usage"]
     mid = two.get("/kvplugin/stats")
     assert mid["remote_hits"] == before["remote_hits"], mid
     hit = ask(two, system, "Where is the market?", salt_a)
-    assert cached_tokens(hit) >= hit["usage"]["prompt_tokens"] // 2, hit["usage"]
+    assert cached_tokens(hit) >= hit["usage"]["prompt_tokens"] // 2, (
+        hit["usage"], {k: v for k, v in two.get("/kvplugin/stats").items()
+                       if k.startswith("remote_")})
     assert two.get("/kvplugin/stats")["remote_hits"] == mid["remote_hits"] + 1
     keys = [k.decode() for k in redis_server.client().keys(PREFIX + ":*")]
     assert keys and not any(salt_a in k or salt_b in k for k in keys)  # hashed, never in clear
