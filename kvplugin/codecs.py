@@ -59,7 +59,7 @@ WIDE_HEADS = {4: (5, 4, 128), 3: (4, 2, 128)}
 #: ``auto``'s codec of these bits for an entry with a window, where plain entries take
 #: ``affine``: on Gemma 3, 8-bit ``affine`` missed the 8-bit goals (top-1 99.58%, KL 2.8e-4)
 #: and ``rotated-channel`` met them (99.90%, 2.5e-5); a plain model's chat kept every answer
-#: with ``affine`` only (docs/benchmarks.md, "Eight bits on windows")
+#: with ``affine`` only (docs/benchmarks.md, "Eight bits in entries with a window")
 WINDOW_CODECS = {8: "rotated-channel"}
 #: What a codec's name ends with where its keys are stored pre-RoPE
 PRE_ROPE = "+prerope"
@@ -107,11 +107,12 @@ class CodecPlan:
 
     @property
     def description(self) -> str:
-        """:attr:`name`, and what heads a group of ``wide_head_keys`` divides take instead."""
-        if not (self.wide_head_keys or self.window_codec):
-            return self.name
+        """:attr:`name`, and what entries with a window take instead (:attr:`window_codec`,
+        or ``wide_head_keys`` on heads its group divides)."""
         if self.window_codec:
             return f"{self.name} ({self.window_codec} in entries with a window)"
+        if not self.wide_head_keys:
+            return self.name
         kbits, vbits, group = self.wide_head_keys
         return (f"{self.name} (k{kbits}v{vbits} in groups of {group} on heads it "
                 "divides, in entries with a window)")
