@@ -166,15 +166,21 @@ def wait_stored(server: Any, tokens: int, timeout: float = 30.0) -> None:
 
 
 def stored_codec(server: Any) -> str | None:
-    """The codec a kvplugin server stores its quantized entries with, as ``/kvplugin/stats``
-    says (e.g. ``rotated-channel-k4v4-s4r16``); None when it quantizes nothing."""
-    from kvplugin.codecs import CodecPlan
+    """The codecs a kvplugin server stored its quantized entries' layers with, as
+    ``/kvplugin/stats`` counts their bytes (e.g. ``rotated-channel-k4v4-s4r16``; an entry with a
+    window may take another codec or bits than a plain one: ``kvplugin.codecs``); else the
+    codec its settings name; None when it quantizes nothing."""
+    from kvplugin.codecs import PRE_ROPE, CodecPlan
 
-    q = (_kvplugin_stats(server) or {}).get("quantization")
+    stats = _kvplugin_stats(server) or {}
+    q = stats.get("quantization")
     if not isinstance(q, dict):
         return None
-    return CodecPlan(q["codec"], q["key_bits"], q["value_bits"], q["group_size"],
-                     q["sink_tokens"], q["recent_tokens"]).name
+    layers = {name.replace("@", "+") for key in stats.get("bytes_stored_by_codec") or {}
+              if key != "full" for name in key.replace(PRE_ROPE, "@" + PRE_ROPE[1:]).split("+")}
+    return ", ".join(sorted(layers)) or CodecPlan(
+        q["codec"], q["key_bits"], q["value_bits"], q["group_size"], q["sink_tokens"],
+        q["recent_tokens"]).name
 
 
 @lru_cache(maxsize=8)
@@ -253,9 +259,6 @@ def run_one(
         # Warm-up: a short unrelated request, so lazily loaded weights and the first graph are
         # in memory before the baseline is taken (then growth is the conversation's alone).
         _turn(server, [{"role": "user", "content": "Hello."}], 2, seed)
-        codec = None if config.stock else stored_codec(server)
-        if codec:  # the row says what produced it: --kv-cache-codec auto resolves by bits
-            result.label = f"{config.label} ({codec})"
         saved_before = host_tokens_saved(server)
         time.sleep(0.1)
         messages = [{"role": "system", "content": system_prompt}]
@@ -266,6 +269,9 @@ def run_one(
             messages.append({"role": "assistant", "content": turn.text})
         if not config.stock and result.turns:  # "held after": after the last entry is stored
             wait_stored(server, result.turns[-1].prompt_tokens)
+        codec = None if config.stock else stored_codec(server)
+        if codec:  # the row says what produced it: --kv-cache-codec auto resolves by bits
+            result.label = f"{config.label} ({codec})"  # and, at some, by the entry's layers
         saved_after = host_tokens_saved(server)
         if saved_before is not None and saved_after is not None:
             result.host_tokens_saved = saved_after - saved_before
