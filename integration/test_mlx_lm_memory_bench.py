@@ -64,6 +64,8 @@ def test_a_4_bit_store_on_the_sequential_path_stays_under_stock_s_peak(tiny_mode
     runs = {key: memory.run_one(tiny_model, memory.CONFIGS[key], key, system, turns=3,
                                 max_tokens=8, prefill_step=256, workdir=tmp_path, seed=0)
             for key in ("stock", "4bit")}
+    # the row names what its entries' layers were stored with (plain layers: no window rule)
+    assert runs["4bit"].label == "kvplugin 4-bit (rotated-channel-k4v4-s4r16)", runs["4bit"].label
     events = [e for e in runs["4bit"].trace if e["kind"] == "event"]
     stores = [i for i, e in enumerate(events) if e["name"] == "quantize"]
     assert len(stores) >= 3, [e["name"] for e in events]
