@@ -1,5 +1,6 @@
-"""The configured codec runs once at start-up (``kvplugin_configure``), not inside the first
-request that stores an entry: its kernels' code and numpy's BLAS are loaded before serving."""
+"""The configured codec (at 8 bits also the one of entries with a window) runs once at
+start-up (``kvplugin_configure``), not inside the first request that stores an entry: its
+kernels' code and numpy's BLAS are loaded before serving."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ def _service(host: str = "test", **flags) -> KVService:
     return KVService(resolve_settings(flags), host=host, hook=pm.hook, max_bytes=1 << 30)
 
 
-@pytest.mark.parametrize("bits,codec", [(4, "rotated-channel"), (8, "affine"),
-                                        (2, "rotated-channel-sym")])
-def test_the_configured_codec_round_trips_once_per_dtype_before_serving(monkeypatch, bits, codec):
+@pytest.mark.parametrize("bits,codecs", [(4, ["rotated-channel"]),
+                                         (8, ["affine", "rotated-channel"]),  # + windows'
+                                         (2, ["rotated-channel-sym"])])
+def test_the_configured_codec_round_trips_once_per_dtype_before_serving(monkeypatch, bits,
+                                                                       codecs):
     seen = []
     real_q, real_d = quantize.quantize_entry, quantize.dequantize_entry
 
@@ -42,8 +45,9 @@ def test_the_configured_codec_round_trips_once_per_dtype_before_serving(monkeypa
     _service(kv_cache_quantization=True, kv_cache_quantization_bits=bits)
     import mlx.core as mx
 
-    assert seen == [(dt, codec, bits, bits) for dt in (mx.float16, mx.bfloat16, mx.float32)]
-    assert restored == ["KVCache"] * 3  # quantized, then restored to a plain cache
+    assert seen == [(dt, codec, bits, bits) for codec in codecs
+                    for dt in (mx.float16, mx.bfloat16, mx.float32)]
+    assert restored == ["KVCache"] * 3 * len(codecs)  # quantized, then restored to a plain cache
 
 
 def test_nothing_is_warmed_without_quantization_or_outside_a_host(monkeypatch):
