@@ -128,8 +128,8 @@ def wait_published(srv: ServerProcess, n: int, timeout: float = 30.0,
     while True:
         stats = srv.get("/kvplugin/stats")
         state = (stats["remote_puts"], stats["remote_queued_bytes"])
-        held = (stats["entries_stored"] >= stored
-                and any(e["tokens"] >= tokens for e in stats["entries"]))
+        held = stats["entries_stored"] >= stored and (
+            not tokens or any(e["tokens"] >= tokens for e in stats["entries"]))
         if state != last or not held:
             last, since = state, time.monotonic()
         elif (stats["remote_puts"] >= n and not stats["remote_queued_bytes"]
