@@ -10,7 +10,9 @@ conversation on the shared system prompt) and two concurrent requests on one pre
 Each cell passes only if its answers equal the reference's (stock at fp16; the same options
 without a tier where entries are quantized or bounded), the tier really carried the entry
 (counted, then reused after a restart or on a second replica), and it reused at least what
-the reference reused; or if one start-up line says why kvplugin does not serve it.
+the reference reused (a quantized cell on the hot tier: what stock reused on the requests it
+was asked stock's very prompts, :func:`same_prompts`); or if one start-up line says why
+kvplugin does not serve it.
 """
 
 from __future__ import annotations
