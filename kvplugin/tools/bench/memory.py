@@ -28,6 +28,7 @@ Every figure is labelled with the server that produced it; the stock row is alwa
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -176,8 +177,10 @@ def stored_codec(server: Any) -> str | None:
     q = stats.get("quantization")
     if not isinstance(q, dict):
         return None
-    layers = {name.replace("@", "+") for key in stats.get("bytes_stored_by_codec") or {}
-              if key != "full" for name in key.replace(PRE_ROPE, "@" + PRE_ROPE[1:]).split("+")}
+    # a key joins its layers' names with "+", each maybe ending in PRE_ROPE ("+prerope")
+    layer_joint = re.compile(r"\+(?!" + re.escape(PRE_ROPE[1:]) + ")")
+    layers = {name for key in stats.get("bytes_stored_by_codec") or {} if key != "full"
+              for name in layer_joint.split(key)}
     return ", ".join(sorted(layers)) or CodecPlan(
         q["codec"], q["key_bits"], q["value_bits"], q["group_size"], q["sink_tokens"],
         q["recent_tokens"]).name
