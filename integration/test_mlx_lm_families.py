@@ -142,18 +142,31 @@ def test_bounded_chunked_conversation_says_why_its_next_turn_misses(start_server
         srv.stop()
 
 
+# what each width's default stores on a Gemma-3-shaped entry (windows first, then the global
+# layers): at 4 bits every layer per channel with protected tokens (the wrapped windows, keep 0,
+# their newest slots; the global layers their sinks too), keys pre-RoPE; at 8 bits the window
+# codec, post-RoPE, nothing protected (kvplugin.codecs.WINDOW_CODECS); and a budget that keeps
+# the newest entry in memory and spills the one before
+WINDOWED_CODEC = {
+    "4": ("rotated-channel-k4v4-s0r16+prerope+rotated-channel-k4v4-s4r16+prerope", "150000"),
+    "8": ("rotated-channel-k8v8", "250000"),
+}
+
+
+@pytest.mark.parametrize("bits", sorted(WINDOWED_CODEC))
 def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
-        start_server, tmp_path):
-    """Gemma 3's sliding-window layers are stored quantized (QuantizedRotatingKVCache; at 4
-    bits with the default codec, as the global layers); the SSD tier used to refuse them. Now an
-    evicted system-prompt entry spills, and a new server on the same directory serves the next
-    conversation's system prompt from the file."""
+        start_server, tmp_path, bits):
+    """Gemma 3's sliding-window layers are stored quantized (QuantizedRotatingKVCache, with
+    each width's default codec); the SSD tier used to refuse them. Now an evicted system-prompt
+    entry spills, and a new server on the same directory serves the next conversation's system
+    prompt from the file."""
     from kvplugin.tools.bench.families import SYSTEM
 
     model = build_family_model("gemma3_text", tmp_path / "model")
     ssd = tmp_path / "ssd"
-    flags = ("--kv-cache-quantization-bits", "4", "--kv-cache-min-quantize-tokens", "0",
-             "--ssd-cache-dir", str(ssd), "--prompt-cache-bytes", "150000")
+    codec, budget = WINDOWED_CODEC[bits]
+    flags = ("--kv-cache-quantization-bits", bits, "--kv-cache-min-quantize-tokens", "0",
+             "--ssd-cache-dir", str(ssd), "--prompt-cache-bytes", budget)
 
     def ask(srv, question):
         return srv.chat([{"role": "system", "content": SYSTEM},
@@ -167,10 +180,7 @@ def test_sliding_window_entries_stored_quantized_spill_to_ssd_and_come_back(
         assert stats["cold_tier"]["refused"] == 0, stats["cold_tier"]
         kinds = {k for e in stats["entries"] for k in e["layers"]}
         assert "QuantizedRotatingKVCache" in kinds, stats
-        # every layer per channel with protected tokens: the wrapped windows (keep 0) their
-        # newest slots, the global layers their sinks too; every layer's keys pre-RoPE
-        assert ("rotated-channel-k4v4-s0r16+prerope+rotated-channel-k4v4-s4r16+prerope"
-                in stats["bytes_stored_by_codec"]), stats
+        assert codec in stats["bytes_stored_by_codec"], stats
     finally:
         first.stop()
     second = start_server(harness.mlx_lm_server_cmd, *flags, model_dir=model)
