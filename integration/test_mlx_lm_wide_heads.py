@@ -42,7 +42,8 @@ def _layer_codecs(stats: dict) -> set[str]:
 @pytest.mark.parametrize("bits, codec, said", [
     ("4", "rotated-channel-k5v4", "k5v4 in groups of 128 on heads it divides"),
     ("3", "rotated-channel-sym-k4v2", "k4v2 in groups of 128 on heads it divides"),
-    ("8", "rotated-channel-k8v8", "affine-k8v8 (rotated-channel in entries with a window)")])
+    ("8", "rotated-channel-k8v8",
+     "affine-k8v8 (rotated-channel in entries with a window or recurrent state)")])
 def test_default_entries_of_a_windowed_model_on_heads_of_256(start_server, wide_gemma, bits,
                                                              codec, said):
     full = start_server(harness.mlx_lm_server_cmd, model_dir=wide_gemma)

@@ -18,7 +18,8 @@ by a value bit: :data:`WIDE_HEADS`): on a real sliding-window model (Gemma 3, he
 that halved the error at 4 bits and kept 7 of 8 chat answers where 4-bit keys kept 5, and at
 3 bits lowered it by a third at a smaller size. As pre-RoPE keys, this is for entries with a
 sliding-window or ``--max-kv-size`` layer (every layer of them): entries of plain layers only
-met the 4-bit goals with 4-bit keys. So is 8 bits' ``rotated-channel`` (:data:`WINDOW_CODECS`).
+met the 4-bit goals with 4-bit keys. So is 8 bits' ``rotated-channel`` (:data:`WINDOW_CODECS`),
+which entries with recurrent state (hybrids) take too.
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ SYM_PROTECTED_DEFAULT = (4, 6)
 #: (docs/benchmarks.md, "Five-bit keys and larger key groups"); narrower heads keep the bits
 #: and groups of 64
 WIDE_HEADS = {4: (5, 4, 128), 3: (4, 2, 128)}
-#: ``auto``'s codec of these bits for an entry with a window, where plain entries take
-#: ``affine``: on Gemma 3, 8-bit ``affine`` missed the 8-bit goals (top-1 99.58%, KL 2.8e-4)
-#: and ``rotated-channel`` met them (99.90%, 2.5e-5); a plain model's chat kept every answer
-#: with ``affine`` only (docs/benchmarks.md, "Eight bits in entries with a window")
+#: ``auto``'s codec of these bits for an entry with a window or recurrent state, where
+#: entries of plain layers only take ``affine``: on Gemma 3, 8-bit ``affine`` missed the 8-bit
+#: goals (top-1 99.58%, KL 2.8e-4) and ``rotated-channel`` met them (99.90%, 2.5e-5), as on
+#: the trained tiny hybrid with its state at 8 bits (99.95% where ``affine`` read 99.76%);
+#: a plain model's chat kept every answer with ``affine`` only (docs/benchmarks.md, "Eight
+#: bits in entries with a window or recurrent state")
 WINDOW_CODECS = {8: "rotated-channel"}
 #: What a codec's name ends with where its keys are stored pre-RoPE
 PRE_ROPE = "+prerope"
@@ -88,13 +91,14 @@ class CodecPlan:
     #: (key bits, value bits, group) on layers whose heads that group divides, in entries
     #: with a window (:func:`layer_bits_group`)
     wide_head_keys: tuple[int, int, int] | None = None
-    #: the codec of entries with a window, where it is not :attr:`codec` (keys post-RoPE,
-    #: the same bits and protections: :data:`WINDOW_CODECS`)
+    #: the codec of entries with a window or recurrent state, where it is not :attr:`codec`
+    #: (keys post-RoPE, the same bits and protections: :data:`WINDOW_CODECS`)
     window_codec: str | None = None
 
-    def codec_for(self, windowed: bool) -> str:
-        """The codec of an entry with a window (``windowed``) or of plain layers only."""
-        return self.window_codec if windowed and self.window_codec else self.codec
+    def codec_for(self, plain: bool) -> str:
+        """The codec of an entry of plain layers only (``plain``) or of one with a window or
+        recurrent state."""
+        return self.window_codec if not plain and self.window_codec else self.codec
 
     @property
     def name(self) -> str:
@@ -110,7 +114,8 @@ class CodecPlan:
         """:attr:`name`, and what entries with a window take instead (:attr:`window_codec`,
         or ``wide_head_keys`` on heads its group divides)."""
         if self.window_codec:
-            return f"{self.name} ({self.window_codec} in entries with a window)"
+            return (f"{self.name} ({self.window_codec} in entries with a window or "
+                    "recurrent state)")
         if not self.wide_head_keys:
             return self.name
         kbits, vbits, group = self.wide_head_keys

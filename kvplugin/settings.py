@@ -127,10 +127,11 @@ class KVPluginSettings(BaseSettings):
         "Hadamard along head_dim first), rotated-channel (rotated, keys quantized per channel "
         "in groups of group-size tokens), rotated-channel-sym (the same, values with a scale "
         "and no minimum: smaller), or auto: affine from 6 key bits on, rotated-channel below, "
-        "rotated-channel-sym at 3 bits and below (the best measured, docs/benchmarks.md); in "
-        "entries with a sliding-window or --max-kv-size layer, with no key or value bits "
-        "given, 8 bits take rotated-channel, and at 4 and 3 bits (no group size given) heads "
-        "a group of 128 divides take k5v4 and k4v2 in groups of 128. A named codec the "
+        "rotated-channel-sym at 3 bits and below (the best measured, docs/benchmarks.md); with "
+        "no key or value bits given, 8 bits take rotated-channel in entries with a "
+        "sliding-window or --max-kv-size layer or recurrent state, and in entries with such a "
+        "layer at 4 and 3 bits (no group size given) heads a group of 128 divides take k5v4 "
+        "and k4v2 in groups of 128. A named codec the "
         "model's head dimension cannot take stops the server; auto falls back (affine for "
         "non-power-of-two head dims).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},

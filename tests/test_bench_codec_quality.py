@@ -73,7 +73,8 @@ def test_codec_bench_runs_on_any_model_directory(family, max_kv, tmp_path):
     assert ", 1 real-text window" in data["title"]
     (row,) = data["rows"]
     assert row["codec"] == "affine-k8v8-g64-s0r0"
-    windowed = family == "gemma3_text" or max_kv  # 8 bits there: rotated-channel by default
+    # a window or recurrent state: 8 bits there are rotated-channel by default
+    windowed = family in ("gemma3_text", "mamba") or max_kv
     assert (row["key_bits"], row["value_bits"], row["default_for_bits"]) == (
         8, 8, None if windowed else 8)
     assert 0 <= row["free_running"] <= 1 and row["restore_ms_per_mib"] > 0

@@ -122,5 +122,6 @@ def test_the_hybrid_bench_measures_the_state_codec_on_a_trained_hybrid(tmp_path)
             assert r["stored_bytes"] < 0.7 * rows[(bits, False)]["stored_bytes"], r
     eight = rows[(8, True)]
     assert eight["fp16_bytes"] / eight["stored_bytes"] >= 1.8
+    assert eight["codec"].startswith("rotated-channel-k8v8-")  # a hybrid entry's 8-bit default
     assert {g["name"] for g in report["goals"]} >= {
         "8-bit hybrid entry smaller than full precision"}

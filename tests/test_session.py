@@ -379,7 +379,8 @@ def test_active_line_says_what_is_on(pm):
     line = s.active_line("1.2.3", stats_path="/kvplugin/stats", mode="batching")
     assert line.startswith("active on mlx-lm 1.2.3 (batching)")
     assert "64 MiB, 5 entries" in line and "8-bit entries, group 64" in line
-    assert ("codec affine-k8v8 (rotated-channel in entries with a window), policy always;"
+    assert ("codec affine-k8v8 (rotated-channel in entries with a window or recurrent state), "
+            "policy always;"
             in line)  # what auto chose, and when it runs
     assert "max-kv-size: 256 tokens" in line and "GET /kvplugin/stats" in line
 

@@ -2,8 +2,8 @@
 ``--max-kv-size``), keys take a bit more (4 bits: k5v4; 3 bits: k4v2), paid for by groups of
 128, on every layer whose heads a group of 128 divides; narrower heads, entries of plain
 layers only and explicit choices keep the bits in groups of 64. At 8 bits an entry with a
-window takes ``rotated-channel`` where plain entries take ``affine``. Through the real service
-and the default quantize hook."""
+window or recurrent state takes ``rotated-channel`` where plain entries take ``affine``.
+Through the real service and the default quantize hook."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from kvplugin.cache.codec.quantize import dequantize_entry
 from kvplugin.codecs import CODEC_ATTR, WIDE_HEADS, WINDOW_CODECS, codec_plan, layer_bits_group
@@ -146,6 +146,29 @@ def test_default_8bit_takes_rotated_channel_keys_in_an_entry_with_a_window():
     assert (stats["codec"], stats["window_codec"]) == ("affine", WINDOW_CODECS[8])
 
 
+def _state() -> ArraysCache:
+    c = ArraysCache(size=2)
+    c[0] = mx.random.normal((1, 3, 64), key=mx.random.key(5))
+    c[1] = mx.random.normal((1, 2, 64, 64), key=mx.random.key(6))
+    return c
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["qwen3-next", "falcon-h1"])
+def test_default_8bit_takes_rotated_channel_keys_in_an_entry_with_recurrent_state(nested):
+    """A hybrid's attention layers (beside its recurrent layers, or nested with them in a
+    ``CacheList``) take the codec entries with a window take; the state its own codec."""
+    entry = ([CacheList(_state(), _plain(64))] if nested else [_state(), _plain(64)])
+    stored = _stored(_service(kv_cache_quantization_bits=8), entry)
+    attention = stored[0].caches[1] if nested else stored[1]
+    assert getattr(attention, CODEC_ATTR, "affine") == WINDOW_CODECS[8]
+    assert (attention.bits, attention.group_size) == (8, 64)
+    state = stored[0].caches[0] if nested else stored[0]
+    assert type(state).__name__ == "QuantizedArraysCache"
+    back = dequantize_entry(list(stored))
+    kv = back[0].caches[1] if nested else back[1]
+    assert type(kv) is KVCache and kv.offset == N
+
+
 def test_8bit_windowed_keys_restore_closer_than_affine():
     """What the window codec is for: per-channel keys come back closer than per-token affine
     ones at the same bits (keys with outlier channels, as real keys have)."""
@@ -167,7 +190,7 @@ def test_explicit_choices_and_other_widths_take_no_window_codec(flags):
     settings = {"kv_cache_quantization_bits": 8, **flags}
     plan = codec_plan(resolve_settings(settings))
     assert plan.window_codec is None
-    assert plan.codec_for(True) == plan.codec
+    assert plan.codec_for(plain=False) == plan.codec
     layer = _stored(_service(**settings), [_ring(64)])[0]
     assert getattr(layer, CODEC_ATTR, "affine") == plan.codec
 
@@ -176,8 +199,9 @@ def test_the_window_codec_is_in_the_start_up_line_and_the_remote_namespace():
     from kvplugin.default_plugins.storage import entry_format
 
     settings = resolve_settings({"kv_cache_quantization": True, "kv_cache_quantization_bits": 8})
-    assert "rotated-channel in entries with a window" in codec_plan(settings).description
-    assert entry_format(settings).endswith(":window-rotated-channel")
+    assert ("rotated-channel in entries with a window or recurrent state"
+            in codec_plan(settings).description)
+    assert entry_format(settings).endswith(":window-state-rotated-channel")
     assert "window" not in entry_format(resolve_settings({
         "kv_cache_quantization": True, "kv_cache_quantization_bits": 8,
         "kv_cache_codec": "affine"}))

@@ -39,6 +39,7 @@ def kvplugin_quantize_entry(
     if num_tokens < settings.kv_cache_min_quantize_tokens:
         return None
     from kvplugin.cache.codec.prerope import has_window, window_ropes
+    from kvplugin.cache.codec.state import has_state
     from kvplugin.codecs import codec_plan
 
     plan = codec_plan(settings)
@@ -47,7 +48,7 @@ def kvplugin_quantize_entry(
         cache,
         bits=plan.key_bits,
         value_bits=plan.value_bits,
-        codec=plan.codec_for(windowed),
+        codec=plan.codec_for(plain=not windowed and not has_state(cache)),
         sink_tokens=plan.sink_tokens,
         recent_tokens=plan.recent_tokens,
         group_size=plan.group_size,

@@ -29,8 +29,8 @@ from kvplugin.cache.codec import rotation
 from kvplugin.cache.layers import LayerKind, register_kind
 from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, UnknownCodec
 
-__all__ = ["QuantizedArraysCache", "STATE_BITS", "STATE_CODEC", "is_state_quantizable",
-           "quantize_state", "dequantize_state", "state_record"]
+__all__ = ["QuantizedArraysCache", "STATE_BITS", "STATE_CODEC", "has_state",
+           "is_state_quantizable", "quantize_state", "dequantize_state", "state_record"]
 
 STATE_BITS = 8
 STATE_CODEC = "rotated-state"
@@ -53,6 +53,12 @@ class QuantizedArraysCache(ArraysCache):
 
 register_kind(QuantizedArraysCache,
               LayerKind("QuantizedArraysCache", lambda layer: True, lambda layer: layer))
+
+
+def has_state(cache: list) -> bool:
+    """Whether an entry holds recurrent state (an ``ArraysCache`` layer, nested ones too)."""
+    return any(isinstance(layer, ArraysCache) or has_state(list(getattr(layer, "caches", ())))
+               for layer in cache)
 
 
 def is_state_quantizable(layer: Any) -> bool:

@@ -77,12 +77,12 @@ def parse_codec(spec: str) -> dict[str, Any]:
                 sink_tokens=int(m[5]), recent_tokens=int(m[6]))
 
 
-def default_codecs(widths: tuple[int, int] = (64, 64), windowed: bool = False
-                   ) -> dict[str, int]:
+def default_codecs(widths: tuple[int, int] = (64, 64), windowed: bool = False,
+                   recurrent: bool = False) -> dict[str, int]:
     """The default codec of each ``--kv-cache-quantization-bits`` of :data:`DEFAULT_BITS`,
     as a spec, and the bits it is the default of (what ``kvplugin.codecs`` resolves for a
-    layer of these key and value ``widths`` in an entry with a window or not, with pre-RoPE
-    keys where a server stores them)."""
+    layer of these key and value ``widths`` in an entry with a window, recurrent state or
+    neither, with pre-RoPE keys where a server stores them)."""
     from types import SimpleNamespace
 
     from kvplugin.codecs import codec_plan, layer_bits_group
@@ -96,7 +96,7 @@ def default_codecs(widths: tuple[int, int] = (64, 64), windowed: bool = False
         kbits, vbits, group = layer_bits_group(plan.key_bits, plan.value_bits, plan.group_size,
                                                plan.wide_head_keys if windowed else None,
                                                *widths)
-        out[f"{plan.codec_for(windowed)}-k{kbits}v{vbits}-g{group}"
+        out[f"{plan.codec_for(plain=not windowed and not recurrent)}-k{kbits}v{vbits}-g{group}"
             f"-s{plan.sink_tokens}r{plan.recent_tokens}"
             f"{PRE_ROPE_SERVED if plan.prerope_keys else ''}"] = bits
     return out
@@ -395,9 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvplugin.cache.codec.prerope import has_window
+    from kvplugin.cache.codec.state import has_state
 
-    windowed = bool(args.max_kv_size) or has_window(make_prompt_cache(model))
-    defaults = default_codecs(model_widths(model), windowed)
+    empty = make_prompt_cache(model)
+    windowed = bool(args.max_kv_size) or has_window(empty)
+    defaults = default_codecs(model_widths(model), windowed, has_state(empty))
     specs = _specs(args.codecs, defaults)
     if args.max_kv_size:
         label += f", --max-kv-size {args.max_kv_size}"

@@ -34,7 +34,7 @@ def _configs(widths: tuple[int, int]) -> list[tuple[str, int, dict, bool]]:
     from kvplugin.tools.bench.codec_quality import default_codecs, parse_codec
 
     out = []
-    for spec, bits in default_codecs(widths, windowed=False).items():  # no window
+    for spec, bits in default_codecs(widths, recurrent=True).items():  # no window
         if bits in (8, 4):
             kw = parse_codec(spec)
             out += [(spec, bits, kw, state) for state in (False, True)]
