@@ -131,9 +131,8 @@ class KVPluginSettings(BaseSettings):
         "no key or value bits given, 8 bits take rotated-channel in entries with a "
         "sliding-window or --max-kv-size layer or recurrent state, and in entries with such a "
         "layer at 4 and 3 bits (no group size given) heads a group of 128 divides take k5v4 "
-        "and k4v2 in groups of 128. A named codec the "
-        "model's head dimension cannot take stops the server; auto falls back (affine for "
-        "non-power-of-two head dims).",
+        "and k4v2 in groups of 128. A named codec the model's head dimension cannot take "
+        "stops the server; auto falls back (affine for non-power-of-two head dims).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},
     )
     kv_cache_key_bits: int | None = Field(
