@@ -111,8 +111,8 @@ class CodecPlan:
 
     @property
     def description(self) -> str:
-        """:attr:`name`, and what entries with a window take instead (:attr:`window_codec`,
-        or ``wide_head_keys`` on heads its group divides)."""
+        """:attr:`name`, and what entries with a window (or recurrent state) take instead
+        (:attr:`window_codec`, or ``wide_head_keys`` on heads its group divides)."""
         if self.window_codec:
             return (f"{self.name} ({self.window_codec} in entries with a window or "
                     "recurrent state)")
