@@ -273,6 +273,10 @@ class Bench:
             run, servers = workload(host, cell, self._starter(cell.family, started, env),
                                     redis.url if redis is not None else None, tmp)
             stats = servers[-1].get("/kvplugin/stats") if not stock else {}
+            if not stock and cell.tier == "redis":  # what the writing replica published
+                writer = servers[0].get("/kvplugin/stats")
+                stats["writer"] = {k: v for k, v in writer.items()
+                                   if k.startswith("remote_") or k == "entries_stored"}
             if host.counted is not None and cell.tier == "hot":
                 run.host_counted = host.counted(servers[-1])
             logs = "\n".join(line for srv in servers for line in srv.log_text().splitlines()
