@@ -19,7 +19,10 @@ that halved the error at 4 bits and kept 7 of 8 chat answers where 4-bit keys ke
 3 bits lowered it by a third at a smaller size. As pre-RoPE keys, this is for entries with a
 sliding-window or ``--max-kv-size`` layer (every layer of them): entries of plain layers only
 met the 4-bit goals with 4-bit keys. So is 8 bits' ``rotated-channel`` (:data:`WINDOW_CODECS`),
-which entries with recurrent state (hybrids) take too.
+which entries with recurrent state (hybrids) take too. At 4 bits, in an entry with a window,
+the layer in ten whose keys the codec quantizes worst takes 6-bit keys, paid for by a key bit
+fewer on the best-quantized (:data:`RANKED_KEYS`): a few layers' keys carry most of the
+error there (bounded SmolLM2: KL -36% at the same bytes).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from typing import Any
 
 __all__ = ["CODECS", "CHANNEL_KEYS", "CHOICES", "SYM", "PRE_ROPE", "PREROPE_CODECS",
            "CODEC_ATTR", "SEED_ATTR", "VALUE_BITS_ATTR", "CodecPlan", "UnknownCodec",
-           "codec_plan", "fitting_codec", "layer_bits_group", "WIDE_HEADS", "WINDOW_CODECS"]
+           "codec_plan", "fitting_codec", "layer_bits_group", "WIDE_HEADS", "WINDOW_CODECS",
+           "RANKED_KEYS"]
 
 CODECS = ("affine", "rotated", "rotated-channel", "rotated-channel-sym")  # what
 # kvplugin.cache.codec.quantize can read
@@ -57,6 +61,10 @@ SYM_PROTECTED_DEFAULT = (4, 6)
 #: (docs/benchmarks.md, "Five-bit keys and larger key groups"); narrower heads keep the bits
 #: and groups of 64
 WIDE_HEADS = {4: (5, 4, 128), 3: (4, 2, 128)}
+#: ``auto``'s key bits at these bits, in an entry with a window, for the one layer in ten
+#: whose keys the codec quantizes worst, paid for by a key bit fewer on those it quantizes
+#: best (:mod:`kvplugin.cache.codec.ranked`; docs/benchmarks.md, "Key bits by layer")
+RANKED_KEYS = {4: 6}
 #: ``auto``'s codec of these bits for an entry with a window or recurrent state, where
 #: entries of plain layers only take ``affine``: on Gemma 3, 8-bit ``affine`` missed the 8-bit
 #: goals (top-1 99.58%, KL 2.8e-4) and ``rotated-channel`` met them (99.90%, 2.5e-5), as on
@@ -94,6 +102,8 @@ class CodecPlan:
     #: the codec of entries with a window or recurrent state, where it is not :attr:`codec`
     #: (keys post-RoPE, the same bits and protections: :data:`WINDOW_CODECS`)
     window_codec: str | None = None
+    #: key bits of the worst-quantized layers in entries with a window (:data:`RANKED_KEYS`)
+    ranked_key_bits: int | None = None
 
     def codec_for(self, plain: bool) -> str:
         """The codec of an entry of plain layers only (``plain``) or of one with a window or
@@ -116,11 +126,13 @@ class CodecPlan:
         if self.window_codec:
             return (f"{self.name} ({self.window_codec} in entries with a window or "
                     "recurrent state)")
+        ranked = (f"{self.ranked_key_bits}-bit keys on the worst-quantized layer in ten, "
+                  "paid for by the best-quantized" if self.ranked_key_bits else "")
         if not self.wide_head_keys:
-            return self.name
+            return f"{self.name} ({ranked}, in entries with a window)" if ranked else self.name
         kbits, vbits, group = self.wide_head_keys
         return (f"{self.name} (k{kbits}v{vbits} in groups of {group} on heads it "
-                "divides, in entries with a window)")
+                f"divides, in entries with a window{'; there, ' + ranked if ranked else ''})")
 
 
 def codec_plan(settings: Any) -> CodecPlan:
@@ -149,7 +161,8 @@ def codec_plan(settings: Any) -> CodecPlan:
     return CodecPlan(codec, key_bits, value_bits,
                      settings.kv_cache_quantization_group_size, sink, recent,
                      getattr(settings, "kv_cache_quantize_state", True), prerope, wide,
-                     WINDOW_CODECS.get(bits) if auto_bits else None)
+                     WINDOW_CODECS.get(bits) if auto_bits else None,
+                     RANKED_KEYS.get(bits) if auto_bits else None)
 
 
 def layer_bits_group(key_bits: int, value_bits: int, group: int,

@@ -123,16 +123,16 @@ class KVPluginSettings(BaseSettings):
     )
     kv_cache_codec: str = Field(
         "auto",
-        description="Codec of quantized entries: affine (mlx per-token groups), rotated (a seeded "
-        "Hadamard along head_dim first), rotated-channel (rotated, keys quantized per channel "
-        "in groups of group-size tokens), rotated-channel-sym (the same, values with a scale "
-        "and no minimum: smaller), or auto: affine from 6 key bits on, rotated-channel below, "
-        "rotated-channel-sym at 3 bits and below (the best measured, docs/benchmarks.md); with "
-        "no key or value bits given, 8 bits take rotated-channel in entries with a "
-        "sliding-window or --max-kv-size layer or recurrent state, and in entries with such a "
-        "layer at 4 and 3 bits (no group size given) heads a group of 128 divides take k5v4 "
-        "and k4v2 in groups of 128. A named codec the model's head dimension cannot take "
-        "stops the server; auto falls back (affine for non-power-of-two head dims).",
+        description="Codec of quantized entries: affine (per-token groups), rotated (a seeded "
+        "Hadamard along head_dim first), rotated-channel (rotated, keys per channel in groups of "
+        "group-size tokens), rotated-channel-sym (the same, values with a scale only: smaller), or"
+        " auto: affine from 6 key bits on, rotated-channel below, rotated-channel-sym at 3 bits "
+        "and below (docs/benchmarks.md); with no key or value bits given, 8 bits take "
+        "rotated-channel in entries with a sliding-window or --max-kv-size layer or recurrent "
+        "state; in entries with such a layer at 4 and 3 bits (no group size given) heads a group "
+        "of 128 divides take k5v4 and k4v2 in groups of 128, and at 4 bits the layer in ten whose "
+        "keys quantize worst 6-bit keys, paid for by the best. A named codec the head dimension "
+        "cannot take stops the server; auto falls back (to affine for non-power-of-two head dims).",
         json_schema_extra={"allowed": ", ".join(KV_CACHE_CODECS)},
     )
     kv_cache_key_bits: int | None = Field(

@@ -75,6 +75,7 @@ def test_codec_bench_runs_on_any_model_directory(family, max_kv, tmp_path):
     assert row["codec"] == "affine-k8v8-g64-s0r0"
     # a window or recurrent state: 8 bits there are rotated-channel by default
     windowed = family in ("gemma3_text", "mamba") or max_kv
+    assert row["ranked_key_bits"] is None
     assert (row["key_bits"], row["value_bits"], row["default_for_bits"]) == (
         8, 8, None if windowed else 8)
     assert 0 <= row["free_running"] <= 1 and row["restore_ms_per_mib"] > 0
@@ -133,12 +134,13 @@ def test_pre_rope_keys_follow_each_slot_of_a_wrapped_ring():
 
 def test_the_default_codecs_of_a_windowed_wide_head_model_follow_the_per_layer_rule():
     """On heads of 256 with a window (Gemma 3) the bench measures what a server stores there:
-    rotated-channel at 8 bits, k5v4 and k4v2 in groups of 128; without a window, the plain
-    defaults."""
+    rotated-channel at 8 bits, k5v4 (the worst-quantized layers' keys at 6 bits) and k4v2 in
+    groups of 128; without a window, the plain defaults."""
     from kvplugin.tools.bench.codec_quality import default_codecs
 
     wide = default_codecs((256, 256), windowed=True)
     assert wide == {"rotated-channel-k8v8-g64-s0r0": 8,
-                    "rotated-channel-k5v4-g128-s4r16+prerope-served": 4,
+                    "rotated-channel-k5v4-g128-s4r16-kr6+prerope-served": 4,
                     "rotated-channel-sym-k4v2-g128-s4r6": 3}
     assert default_codecs((256, 256), windowed=False) == default_codecs()
+    assert "rotated-channel-k4v4-g64-s4r16+prerope-served" in default_codecs()

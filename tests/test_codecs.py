@@ -187,7 +187,9 @@ def test_bench_codec_specs_parse_and_reject_garbage():
     from kvplugin.tools.bench.codec_quality import CANDIDATE_CODECS, parse_codec
 
     assert parse_codec("rotated-k4v3-g64-s4r32") == dict(
-        codec="rotated", bits=4, value_bits=3, group_size=64, sink_tokens=4, recent_tokens=32)
+        codec="rotated", bits=4, value_bits=3, group_size=64, sink_tokens=4, recent_tokens=32,
+        ranked_key_bits=None)
+    assert parse_codec("rotated-channel-k4v4-g64-s4r16-kr6+prerope")["ranked_key_bits"] == 6
     assert parse_codec("rotated-channel-k4v4-g64-s4r0")["codec"] == "rotated-channel"
     assert parse_codec("rotated-channel-sym-k3v3-g64-s4r6")["codec"] == "rotated-channel-sym"
     assert {parse_codec(s)["codec"] for s in CANDIDATE_CODECS} == {

@@ -22,7 +22,6 @@ from kvplugin.cache.codec.quantize import (
     ALLOWED_GROUP_SIZES,
     DTYPE_ATTR,
     QuantizeResult,
-    attention_roundtrip_error,
     dequantize_entry,
     head_dim_of,
     quantize_entry,
@@ -30,6 +29,7 @@ from kvplugin.cache.codec.quantize import (
     validate_group_size_for_model,
 )
 from kvplugin.cache.layers import entry_nbytes
+from kvplugin.tools.bench.engine_cases import attention_roundtrip_error
 from kvplugin.cache.layers.trim import trim_entry
 
 H, D = 4, 128

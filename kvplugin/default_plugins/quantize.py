@@ -58,6 +58,7 @@ def kvplugin_quantize_entry(
         key_ropes=window_ropes(cache, key_ropes) if plan.prerope_keys else None,
         # as pre-RoPE keys: where an entry has a window (all-plain entries measured fine)
         wide_head_keys=plan.wide_head_keys if windowed else None,
+        ranked_key_bits=plan.ranked_key_bits if windowed else None,
         consume=True,  # the entry is the store's now: free each fp16 layer as it goes
     )
     return result.cache if result.quantized else None

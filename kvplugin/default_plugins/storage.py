@@ -25,7 +25,8 @@ def entry_format(settings: KVPluginSettings) -> str:
             f":sink{plan.sink_tokens}:recent{plan.recent_tokens}"
             f"{':prerope' if plan.prerope_keys else ''}"
             f"{':wide{}v{}g{}'.format(*plan.wide_head_keys) if plan.wide_head_keys else ''}"
-            f"{':window-state-' + plan.window_codec if plan.window_codec else ''}")
+            f"{':window-state-' + plan.window_codec if plan.window_codec else ''}"
+            f"{':ranked-k{}'.format(plan.ranked_key_bits) if plan.ranked_key_bits else ''}")
 
 
 @hookimpl(trylast=True)

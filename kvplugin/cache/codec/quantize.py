@@ -20,7 +20,6 @@ Imports only ``mlx.core`` and ``mlx_lm.models.cache``; works on mlx-lm 0.31.3 an
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +43,7 @@ __all__ = [
     "ALLOWED_BITS", "ALLOWED_GROUP_SIZES", "DTYPE_ATTR", "CODECS", "UnknownCodec",
     "codec_name", "QuantizeResult", "validate_bits_group", "head_dim_of",
     "validate_group_size_for_model", "quantize_entry", "dequantize_entry",
-    "attention_roundtrip_error", "codec_arrays",
+    "codec_arrays",
 ]
 
 # What a stored layer records about its codec: kvplugin.cache.codec.rows. Protected
@@ -227,6 +226,7 @@ def quantize_entry(
     quantize_state: bool = False,
     key_ropes: Any = None,
     wide_head_keys: tuple[int, int, int] | None = None,
+    ranked_key_bits: int | None = None,
 ) -> QuantizeResult:
     """Quantize an entry's K/V layers: plain ``KVCache`` to exact-size ``QuantizedKVCache``,
     rotating ones (sliding windows, ``--max-kv-size``) to ``QuantizedRotatingKVCache``
@@ -250,7 +250,8 @@ def quantize_entry(
     ``key_ropes``: each layer's key rope or None (:func:`kvplugin.cache.model.rope.key_ropes`,
     one per layer of ``cache``): per-channel keys of those layers are stored pre-RoPE.
     ``wide_head_keys``: (key bits, value bits, group) of layers whose heads that group divides
-    (:func:`kvplugin.codecs.layer_bits_group`).
+    (:func:`kvplugin.codecs.layer_bits_group`). ``ranked_key_bits``: the keys of the layers
+    the codec quantizes worst at these bits, paid for by others' (:mod:`.ranked`).
     """
     validate_bits_group(bits, group_size)
     if value_bits is not None:
@@ -269,6 +270,21 @@ def quantize_entry(
               and len(stored_prefix) == len(cache) else [None] * len(cache))
     ropes = (list(key_ropes) if key_ropes is not None and len(key_ropes) == len(cache)
              else [None] * len(cache))
+    def bits_of(layer: Any) -> tuple[int, int, int]:
+        keys = getattr(layer, "keys", None)  # a quantized layer's are a tuple: kept as is
+        return (layer_bits_group(bits, value_bits or bits, group_size, wide_head_keys,
+                                 keys.shape[-1], layer.values.shape[-1])
+                if isinstance(keys, mx.array) else (bits, value_bits or bits, group_size))
+
+    def fits(layer: Any) -> tuple[int, int, int] | None:
+        got = bits_of(layer)
+        return got if is_quantizable(layer, got[2]) or is_rotating_quantizable(
+            layer, got[2]) else None
+
+    from kvplugin.cache.codec.ranked import layer_key_bits
+    raised = {} if ranked_key_bits is None else layer_key_bits(
+        cache, ranked_key_bits, codec, fits, ropes)
+
     def one(item: tuple[int, Any]) -> tuple[int, Any]:
         i, layer = item
         if type(layer) is CacheList:  # nested (Falcon-H1: state + attention): its K/V children
@@ -280,11 +296,8 @@ def quantize_entry(
                                      stored_prefix=None if kids is None else list(kids),
                                      chunk_bytes=chunk_bytes, quantize_state=quantize_state,
                                      wide_head_keys=wide_head_keys)
-        keys = getattr(layer, "keys", None)  # a quantized layer's are a tuple: kept as is
-        kbits, vbits, group = (
-            layer_bits_group(bits, value_bits or bits, group_size, wide_head_keys,
-                             keys.shape[-1], layer.values.shape[-1])
-            if isinstance(keys, mx.array) else (bits, value_bits or bits, group_size))
+        kbits, vbits, group = bits_of(layer)
+        kbits = raised.get(i, kbits)
         if is_quantizable(layer, group):
             return i, _quantize_layer(layer, kbits, group, codec, vbits, sink_tokens,
                                       recent_tokens, prompt_boundaries, donors[i], chunk_bytes,
@@ -463,31 +476,3 @@ def warm_up(plan: Any) -> None:
                                 consume=True).cache
         restored = dequantize_entry(stored, consume=True)
         mx.eval(restored[0].keys, restored[0].values)
-
-
-def attention_roundtrip_error(
-    keys: mx.array, values: mx.array, bits: int, group_size: int, *, num_queries: int = 8
-) -> float:
-    """Relative L2 error of attention output caused by a quantize/dequantize round trip.
-
-    ``keys``/``values`` are ``(B, H, S, D)``. A fixed-seed query block attends (no mask, fp32
-    SDPA so that only quantization error is measured) once over the given keys/values and once
-    over their dequantized versions; returns ``||o_q - o|| / ||o||``. Deterministic.
-    """
-    validate_bits_group(bits, group_size)
-    B, H, _, D = keys.shape
-    q = mx.random.normal((B, H, num_queries, D), key=mx.random.key(0))
-    scale = 1.0 / math.sqrt(D)
-
-    def attend(k: mx.array, v: mx.array) -> mx.array:
-        k, v = k.astype(mx.float32), v.astype(mx.float32)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
-
-    def roundtrip(x: mx.array) -> mx.array:
-        parts = mx.quantize(x, group_size=group_size, bits=bits)
-        return mx.dequantize(*parts, group_size=group_size, bits=bits)
-
-    ref = attend(keys, values)
-    got = attend(roundtrip(keys), roundtrip(values))
-    err = mx.sqrt(mx.sum((got - ref) ** 2)) / mx.sqrt(mx.sum(ref**2))
-    return float(err.item())

@@ -38,7 +38,7 @@ from kvplugin.cache.codec.rows import (BOUNDARY_ATTR, CHANNEL_KEYS, RECENT_ATTR,
 from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, VALUE_BITS_ATTR, UnknownCodec
 
 __all__ = ["QuantizedRotatingKVCache", "quantize_rotating", "dequantize_rotating",
-           "is_rotating_quantizable", "rotating_codec", "protected_slots"]
+           "is_rotating_quantizable", "rotating_codec", "protected_slots", "coded_keys"]
 
 
 class QuantizedRotatingKVCache:
@@ -89,7 +89,7 @@ def is_rotating_quantizable(layer: Any, group_size: int) -> bool:
     )
 
 
-def _held_slots(layer: RotatingKVCache) -> int:
+def held_slots(layer: RotatingKVCache) -> int:
     """Slots holding tokens: an unwrapped ring's first ``offset`` (the rest is growth slack),
     else all of them."""
     size = layer.keys.shape[-2]
@@ -126,6 +126,23 @@ def _without_protected(keys: mx.array, ranges: list[tuple[int, int]]) -> mx.arra
     return mx.where(held, mean, wide).astype(keys.dtype)
 
 
+def coded_keys(layer: RotatingKVCache, codec: str, sink: int, recent: int,
+               rope: Any = None) -> tuple[mx.array, Any]:
+    """The ring's held keys as ``codec`` (fitted to the widths) quantizes them, and the rope
+    taken out of them (None where none is): pre-RoPE at each slot's position where ``rope``
+    is given and the ring's positions are known, protected slots set to the others' mean
+    for per-channel keys."""
+    slots = held_slots(layer)
+    keys = layer.keys[..., :slots, :]
+    if codec not in CHANNEL_KEYS:
+        return keys, None
+    runs = ring_runs(layer.offset, slots, layer.keep, min(layer._idx, slots))
+    rope = rope if runs is not None else None
+    coded = keys if rope is None else turn(keys, rope, runs, -1.0)
+    ranges = protected_slots(layer.offset, slots, layer.keep, layer._idx, sink, recent)
+    return _without_protected(coded, ranges), rope
+
+
 def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int,
                       codec: str = "affine", value_bits: int | None = None, sink: int = 0,
                       recent: int = 0, chunk_bytes: int | None = None, rope: Any = None
@@ -136,15 +153,12 @@ def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int,
     precision (see :func:`protected_slots`). ``rope``: the layer's key rope, taken out at
     each slot's position before a per-channel codec (:mod:`kvplugin.cache.codec.prerope`)."""
     q = QuantizedRotatingKVCache()
-    slots = _held_slots(layer)
+    slots = held_slots(layer)
     keys, values = layer.keys[..., :slots, :], layer.values[..., :slots, :]
     vbits = bits if value_bits is None else value_bits
     codec = fitting_codec(codec, keys.shape[-1], values.shape[-1])
     ranges = protected_slots(layer.offset, slots, layer.keep, layer._idx, sink, recent)
-    runs = ring_runs(layer.offset, slots, layer.keep, min(layer._idx, slots))
-    rope = rope if codec in CHANNEL_KEYS and runs is not None else None
-    coded = keys if rope is None else turn(keys, rope, runs, -1.0)
-    coded = _without_protected(coded, ranges) if codec in CHANNEL_KEYS else coded
+    coded, rope = coded_keys(layer, codec, sink, recent, rope)
     q.keys, q.values = encode_rows(coded, values, codec, bits, vbits, group_size, chunk_bytes)
     protect_rows(q, keys, values, ranges)
     setattr(q, CODEC_ATTR, codec)

@@ -51,6 +51,7 @@ class Reporting:
              "key_bits": plan.key_bits, "value_bits": plan.value_bits,
              "sink_tokens": plan.sink_tokens, "recent_tokens": plan.recent_tokens,
              "wide_head_keys": plan.wide_head_keys, "window_codec": plan.window_codec,
+             "ranked_key_bits": plan.ranked_key_bits,
              "policy": s.kv_cache_quantization_policy}
             if s.kv_cache_quantization else None
         )

@@ -62,8 +62,10 @@ PRE_ROPE_WINDOWS = "+prerope-windows"
 #: ... or keys pre-RoPE where a server takes them out: every layer of an entry with a
 #: rotating layer, none of an all-plain entry (``prerope.window_ropes``)
 PRE_ROPE_SERVED = "+prerope-served"
+#: ``-krN`` after the protections: the worst-quantized layers' keys at N bits, paid for by
+#: others' (``kvplugin.cache.codec.ranked``)
 _SPEC = re.compile(r"(affine|rotated|rotated-channel|rotated-channel-sym)"
-                   r"-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)")
+                   r"-k(\d)v(\d)-g(\d+)-s(\d+)r(\d+)(?:-kr(\d))?")
 
 
 def parse_codec(spec: str) -> dict[str, Any]:
@@ -72,9 +74,10 @@ def parse_codec(spec: str) -> dict[str, Any]:
     m = _SPEC.fullmatch(spec.removesuffix(PLAIN_K8).removesuffix(PRE_ROPE)
                         .removesuffix(PRE_ROPE_WINDOWS).removesuffix(PRE_ROPE_SERVED))
     if not m:
-        raise ValueError(f"codec spec {spec!r} is not CODEC-kKvV-gG-sSrR")
+        raise ValueError(f"codec spec {spec!r} is not CODEC-kKvV-gG-sSrR[-krN]")
     return dict(codec=m[1], bits=int(m[2]), value_bits=int(m[3]), group_size=int(m[4]),
-                sink_tokens=int(m[5]), recent_tokens=int(m[6]))
+                sink_tokens=int(m[5]), recent_tokens=int(m[6]),
+                ranked_key_bits=int(m[7]) if m[7] else None)
 
 
 def default_codecs(widths: tuple[int, int] = (64, 64), windowed: bool = False,
@@ -98,6 +101,7 @@ def default_codecs(widths: tuple[int, int] = (64, 64), windowed: bool = False,
                                                *widths)
         out[f"{plan.codec_for(plain=not windowed and not recurrent)}-k{kbits}v{vbits}-g{group}"
             f"-s{plan.sink_tokens}r{plan.recent_tokens}"
+            f"{f'-kr{plan.ranked_key_bits}' if plan.ranked_key_bits and windowed else ''}"
             f"{PRE_ROPE_SERVED if plan.prerope_keys else ''}"] = bits
     return out
 
@@ -282,6 +286,7 @@ def _rows(acc: dict, defaults: dict[str, int] | None = None) -> list[dict]:
         n = len(a["kl"])
         kw = parse_codec(spec)
         rows.append(dict(codec=spec, key_bits=kw["bits"], value_bits=kw["value_bits"],
+                         ranked_key_bits=kw["ranked_key_bits"],
                          default_for_bits=defaults.get(spec),
                          bytes_vs_fp16=a["bytes"] / a["fp16"],
                          mean_kl=sum(a["kl"]) / n, max_kl=a["maxkl"],
