@@ -106,7 +106,9 @@ def test_entries_stored_quantized(request, bits, seed):
         # q4 gives the group size (kept: no rule); q3's rule is for heads 128 divides, with a
         # window: this model's layers (heads of 64) keep k3v3 in groups of 64 (named below)
         "wide_head_keys": [4, 2, 128] if bits == 3 else None,
-        "window_codec": "rotated-channel" if bits == 8 else None, "policy": "always"}
+        "window_codec": "rotated-channel" if bits == 8 else None,
+        # at 4 bits, entries with a window give their worst layer in ten 6-bit keys (none here)
+        "ranked_key_bits": 6 if bits == 4 else None, "policy": "always"}
     named = f"{codec}-k{bits}v{bits}" + (f"-s{sink}r{recent}" if sink else "")
     assert set(stats["bytes_stored_by_codec"]) == {named, "full"}  # "full": the short one
     assert stats["entries_quantized"] >= 1

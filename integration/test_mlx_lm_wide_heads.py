@@ -39,13 +39,17 @@ def _layer_codecs(stats: dict) -> set[str]:
     return {re.sub(r"-s\d+r\d+.*", "", name) for name in names}
 
 
-@pytest.mark.parametrize("bits, codec, said", [
-    ("4", "rotated-channel-k5v4", "k5v4 in groups of 128 on heads it divides"),
-    ("3", "rotated-channel-sym-k4v2", "k4v2 in groups of 128 on heads it divides"),
-    ("8", "rotated-channel-k8v8",
+# per width: the layer codecs an entry may hold, the one it must, and what start-up says; at
+# 4 bits the worst-quantized layer's keys take 6 bits, paid for by a key bit fewer elsewhere
+@pytest.mark.parametrize("bits, codecs, codec, said", [
+    ("4", {"rotated-channel-k4v4", "rotated-channel-k5v4", "rotated-channel-k6v4"},
+     "rotated-channel-k6v4", "k5v4 in groups of 128 on heads it divides"),
+    ("3", {"rotated-channel-sym-k4v2"}, "rotated-channel-sym-k4v2",
+     "k4v2 in groups of 128 on heads it divides"),
+    ("8", {"rotated-channel-k8v8"}, "rotated-channel-k8v8",
      "affine-k8v8 (rotated-channel in entries with a window or recurrent state)")])
 def test_default_entries_of_a_windowed_model_on_heads_of_256(start_server, wide_gemma, bits,
-                                                             codec, said):
+                                                             codecs, codec, said):
     full = start_server(harness.mlx_lm_server_cmd, model_dir=wide_gemma)
     reference = _chat(full)
     full.stop()
@@ -53,7 +57,7 @@ def test_default_entries_of_a_windowed_model_on_heads_of_256(start_server, wide_
                        *Q4[2:], model_dir=wide_gemma)
     turns = _chat(srv)
     stats = srv.get("/kvplugin/stats")
-    assert _layer_codecs(stats) == {codec}, stats["bytes_stored_by_codec"]
+    assert codec in _layer_codecs(stats) <= codecs, stats["bytes_stored_by_codec"]
     kinds = {k for e in stats["entries"] for k in e["layers"]}
     assert {"QuantizedRotatingKVCache", "QuantizedKVCache"} <= kinds, kinds
     assert stats["store_hits"] >= 1 and stats["entries_quantized"] >= 1, stats
@@ -63,10 +67,13 @@ def test_default_entries_of_a_windowed_model_on_heads_of_256(start_server, wide_
 
 
 def test_a_group_size_the_user_gives_keeps_4bit_keys(start_server, wide_gemma):
+    """... on heads of 256 (in groups of 64); the ranking of layers' keys still applies."""
     srv = start_server(harness.mlx_lm_server_cmd, *Q4, model_dir=wide_gemma,
                        env={"KVPLUGIN_KV_CACHE_QUANTIZATION_GROUP_SIZE": "64"})
     _chat(srv)
     stats = srv.get("/kvplugin/stats")
-    assert _layer_codecs(stats) == {"rotated-channel-k4v4"}, stats["bytes_stored_by_codec"]
+    assert "rotated-channel-k4v4" in _layer_codecs(stats) <= {
+        "rotated-channel-k3v4", "rotated-channel-k4v4", "rotated-channel-k6v4"}, stats[
+        "bytes_stored_by_codec"]
     assert "on heads it divides" not in srv.log_text()
     srv.stop()

@@ -131,7 +131,7 @@ def _quantized_traffic_then_stop(srv, quant_home):
         "codec": "rotated-channel-sym", "codec_setting": "auto", "key_bits": 3,
         "value_bits": 3, "sink_tokens": 4, "recent_tokens": 6,
         "wide_head_keys": [4, 2, 128],  # on heads 128 divides (none here), with a window
-        "window_codec": None,
+        "window_codec": None, "ranked_key_bits": None,  # key ranking is a 4-bit choice
         "policy": "always"}, s
     assert s["entries_quantized"] >= 8, s
     assert s["bytes_stored"] < 0.5 * s["bytes_before"], s  # 3-bit: ~0.22 + protected tokens

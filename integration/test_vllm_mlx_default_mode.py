@@ -102,6 +102,7 @@ def test_env_and_flags_quantize_entries_with_the_chosen_bits(quant):
         # the default codec at 4 bits (auto): keys per channel, 4 sink + 16 recent tokens kept
         "codec": "rotated-channel", "codec_setting": "auto", "key_bits": 4, "value_bits": 4,
         "sink_tokens": 4, "recent_tokens": 16, "wide_head_keys": [5, 4, 128], "window_codec": None,
+        "ranked_key_bits": 6,  # for entries with a window (none on this model)
         "policy": "always"}, s
     assert s["hot_cache_only"] is True
     assert s["entries_quantized"] >= 6, s
