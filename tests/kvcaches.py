@@ -16,3 +16,11 @@ def filled(tokens: int, layers: int = 2) -> list:
         c.update_and_fetch(k, k)
     mx.eval([c.keys for c in cache])
     return cache
+
+
+def stored_after_insert(service, entry: list, tokens: int) -> list:
+    """Insert ``entry`` for prompt ``range(tokens)`` into a ``KVService`` and return the
+    layers its store holds: what a hit would restore from, codec choices included."""
+    prompt = list(range(tokens))
+    assert service.insert("m", prompt, entry)
+    return service.store._index.get("m", tuple(prompt)).cache

@@ -13,6 +13,7 @@ from kvplugin.cache.codec.ranked import ranked_bits
 from kvplugin.cache.layers import entry_nbytes
 from kvplugin.codecs import RANKED_KEYS, codec_plan
 from kvplugin.settings import resolve_settings
+from kvcaches import stored_after_insert
 
 N, SLOTS, WIDTH = 700, 256, 64
 
@@ -93,9 +94,7 @@ def _service(**flags):
 
 
 def _stored(service, entry: list) -> list:
-    tokens = list(range(N))
-    assert service.insert("m", tokens, entry)
-    return service.store._index.get("m", tuple(tokens)).cache
+    return stored_after_insert(service, entry, N)
 
 
 def test_the_default_4bit_ranks_an_entry_with_a_window_and_restores_it():

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 from kvplugin.cache.codec.quantize import dequantize_entry
 from kvplugin.codecs import CODEC_ATTR, WIDE_HEADS, WINDOW_CODECS, codec_plan, layer_bits_group
 from kvplugin.settings import resolve_settings
+from kvcaches import stored_after_insert
 
 N = 300
 
@@ -54,9 +55,7 @@ def _ring(width: int) -> RotatingKVCache:
 
 
 def _stored(service, entry: list) -> list:
-    tokens = list(range(N))
-    assert service.insert("m", tokens, entry)
-    return service.store._index.get("m", tuple(tokens)).cache
+    return stored_after_insert(service, entry, N)
 
 
 def test_default_4bit_takes_5bit_keys_in_groups_of_128_on_wide_heads_of_a_windowed_entry():
