@@ -46,6 +46,9 @@ CODEC_ATTR = "kvplugin_codec"
 SEED_ATTR = "kvplugin_codec_seed"
 #: ... and its value bits where they differ from the keys' (``layer.bits``)
 VALUE_BITS_ATTR = "kvplugin_value_bits"
+#: ... and, on a stored ring whose protected slots are held at full precision only (not also
+#: among the codes), the slots it restores to: the codes hold the others, in slot order
+RING_SLOTS_ATTR = "kvplugin_ring_slots"
 #: ``auto`` is ``affine`` from this many key bits on, ``rotated-channel`` below, and
 #: ``rotated-channel-sym`` at or below :data:`AUTO_SYM_UP_TO_BITS`
 AUTO_AFFINE_FROM_BITS = 6

@@ -30,10 +30,10 @@ def _entry(n: int, dtype, seed: int = 0) -> list:
     return [c]
 
 
-def _restored(stored: list, monkeypatch, numpy_path: bool) -> KVCache:
+def _restored(stored: list, monkeypatch, numpy_path: bool, key_ropes=None) -> KVCache:
     with monkeypatch.context() as m:
         m.setattr(quantize_rows, "restores_here", lambda codec, kbits, vbits: numpy_path)
-        return dequantize_entry(list(stored))[0]
+        return dequantize_entry(list(stored), key_ropes=key_ropes)[0]
 
 
 def _same(a: mx.array, b: mx.array, dtype) -> bool:
@@ -103,3 +103,33 @@ def test_a_real_restore_takes_the_numpy_path_on_the_cpu(monkeypatch):
                                 ).cache
         assert dequantize_entry(stored)[0].keys.shape == (1, H, 80, D)
     assert taken == ["rotated-channel", "rotated-channel"]
+
+
+@pytest.mark.parametrize("codec,kbits", [("rotated-channel", 4), ("rotated-channel-sym", 3)])
+@pytest.mark.parametrize("prerope", [False, True])
+def test_a_wrapped_ring_restores_the_same_on_both_paths(codec, kbits, prerope, monkeypatch):
+    """A ring whose newest slots wrap past its end (three protected ranges, stored at full
+    precision only: the codes hold the slots between them), keys post- or pre-RoPE."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from kvplugin.cache.codec.protected import protected_ranges
+    from kvplugin.cache.model.rope import KeyRope
+    from kvplugin.codecs import RING_SLOTS_ATTR
+
+    ring = RotatingKVCache(64, 4)
+    for i in range(130):  # one token at a time: the newest at slot 9, recent rows wrap
+        k = mx.random.normal((1, H, 1, D), key=mx.random.key(i)).astype(mx.float16)
+        ring.update_and_fetch(k, k * 0.5)
+    mx.eval(ring.keys, ring.values)
+    ropes = [KeyRope(D, False, 10000.0, 1.0)] if prerope else None
+    stored = quantize_entry([ring], bits=kbits, group_size=64, codec=codec, sink_tokens=4,
+                            recent_tokens=16, key_ropes=ropes).cache
+    assert getattr(stored[0], RING_SLOTS_ATTR) == 64 and stored[0].keys[0].shape[-2] == 44
+    here, mlx_kernels = (_restored(stored, monkeypatch, p, ropes) for p in (True, False))
+    assert _same(here.keys, mlx_kernels.keys, mx.float16)
+    assert _same(here.values, mlx_kernels.values, mx.float16)
+    ranges = protected_ranges(stored[0])
+    assert len(ranges) == 3 and sum(c for _, c in ranges) == 20  # the keep, two recent runs
+    for rows in (slice(a, a + c) for a, c in ranges):
+        assert mx.array_equal(here.keys[..., rows, :], ring.keys[..., rows, :])
+        assert mx.array_equal(here.values[..., rows, :], ring.values[..., rows, :])

@@ -8,6 +8,8 @@ import pytest
 from mlx_lm.models.cache import RotatingKVCache
 
 from kvplugin.cache.layers import entry_nbytes, layer_bits
+from kvplugin.cache.layers.accounting import dense_nbytes
+from kvplugin.codecs import RING_SLOTS_ATTR
 from kvplugin.cache.bounded.prealloc import PreallocatedRotatingKVCache
 from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
 from kvplugin.cache.service.service import KVService
@@ -193,6 +195,11 @@ def test_the_keep_and_the_newest_tokens_come_back_exactly_wherever_the_ring_hold
     tol = {8: 0.02, 4: 0.15, 3: 0.3}
     assert _rel_error(back.keys, layer.keys) < tol[kbits]
     assert _rel_error(back.values, layer.values) < tol[vbits]
+    # the protected slots are stored once, at full precision: the codes hold the others
+    held = q.keys[-1].shape[-2] if sink else 0
+    assert q.keys[0].shape[-2] == q.values[0].shape[-2] == len(positions) - held
+    assert getattr(q, RING_SLOTS_ATTR, None) == (len(positions) if held else None)
+    assert dense_nbytes(q) == layer.keys.nbytes + layer.values.nbytes
     name = codec_name(q)
     assert name.startswith(f"{codec}-k{kbits}v{vbits}")
     if recent:
@@ -230,7 +237,7 @@ def test_per_channel_keys_over_a_ring_lose_less_than_per_token_groups():
 
 
 @pytest.mark.parametrize("damage", ["codec", "seed", "value_bits", "protected", "scales",
-                                    "boundary"])
+                                    "boundary", "ring_slots", "ring_slots_type", "unprotected"])
 def test_a_damaged_or_unknown_window_record_is_a_miss(damage):
     from kvplugin.cache.codec.rows import BOUNDARY_ATTR, RECENT_ATTR
     from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, VALUE_BITS_ATTR, UnknownCodec
@@ -249,7 +256,51 @@ def test_a_damaged_or_unknown_window_record_is_a_miss(damage):
     elif damage == "scales":
         more = [mx.concatenate([x, x], axis=-2) for x in q.keys[1:3]]  # a group too many
         q.keys = (q.keys[0], *more, q.keys[3])
+    elif damage == "ring_slots":  # codes and protected slots no longer add up to the ring
+        setattr(q, RING_SLOTS_ATTR, getattr(q, RING_SLOTS_ATTR) + 1)
+    elif damage == "ring_slots_type":
+        setattr(q, RING_SLOTS_ATTR, "64")
+    elif damage == "unprotected":  # the slots the codes leave, with nothing to fill them
+        q.keys, q.values = q.keys[:3], q.values[:3]
+        for name in (RECENT_ATTR, "kvplugin_sink_tokens", "kvplugin_recent_start"):
+            delattr(q, name)
     else:
         setattr(q, BOUNDARY_ATTR, "60:9")
     with pytest.raises(UnknownCodec):
         dequantize_entry([q])
+
+
+@pytest.mark.parametrize("n", [40, 150])
+def test_a_ring_stored_with_its_protected_slots_among_the_codes_still_restores(n):
+    """The layout of kvplugin before 2026-12-07 (every slot among the codes, the protected
+    ones also at full precision, no slot count recorded), on SSD or in Redis after an
+    upgrade: restored as it was stored, the protected slots exact."""
+    from kvplugin.cache.codec.rows import encode_rows
+
+    layer = _numbered(RotatingKVCache, n)
+    (q,) = quantize_entry([layer], bits=4, group_size=64, codec="rotated-channel",
+                          sink_tokens=4, recent_tokens=16).cache
+    (new,) = dequantize_entry([q])
+    codes = encode_rows(layer.keys, layer.values, "rotated-channel", 4, 4, 64, None)
+    q.keys, q.values = codes[0] + q.keys[3:], codes[1] + q.values[3:]
+    delattr(q, RING_SLOTS_ATTR)
+    (old,) = dequantize_entry([q])
+    assert old.keys.shape == new.keys.shape == layer.keys.shape
+    assert (old.offset, old._idx) == (layer.offset, layer._idx)
+    assert _rel_error(old.keys, layer.keys) < 0.15 and _rel_error(old.values, layer.values) < 0.15
+    assert mx.array_equal(old.keys[..., :4, :], layer.keys[..., :4, :])
+    newest = layer._idx
+    assert mx.array_equal(old.values[..., newest - 8 : newest, :],
+                          layer.values[..., newest - 8 : newest, :])
+
+
+def test_storing_a_ring_s_protected_slots_once_saves_their_codes():
+    """A 64-slot ring at 4 bits with 20 protected slots: the codes of 44 slots, not 64."""
+    layer = _numbered(RotatingKVCache, 150)
+    (q,) = quantize_entry([layer], bits=4, group_size=64, codec="rotated-channel",
+                          sink_tokens=4, recent_tokens=16).cache
+    protected = 20 * (layer.keys.nbytes + layer.values.nbytes) // 64
+    heads, width, size = layer.values.shape[1], layer.values.shape[-1], layer.keys.itemsize
+    value_codes = 44 * heads * (width // 2 + 2 * size)  # 4-bit codes, a scale and a minimum
+    key_codes = 44 * heads * width // 2 + 2 * heads * width * size  # one group per channel
+    assert q.nbytes == protected + value_codes + key_codes

@@ -159,7 +159,8 @@ def _unrotation(width: int, seed: int) -> np.ndarray:
 
 
 def restore_layer(layer: Any, codec: str, seed: int, n: int, vbits: int, kept: list,
-                  dtype: Any, rope: Any = None, runs: Any = None) -> tuple[mx.array, mx.array]:
+                  dtype: Any, rope: Any = None, runs: Any = None, gaps_to: int | None = None
+                  ) -> tuple[mx.array, mx.array]:
     """The first ``n`` keys and values of a layer quantized with a rotated ``codec``, in
     ``dtype``.
 
@@ -167,8 +168,11 @@ def restore_layer(layer: Any, codec: str, seed: int, n: int, vbits: int, kept: l
     back by the MLX path's own ``_restore_protected`` (it only slices, so it takes numpy
     arrays as well). numpy's BLAS runs the rotation on one thread: on every core its idle
     workers spin after each GEMM and slow the host's next MLX matmuls. ``rope`` at ``runs``:
-    the keys' rope put back (:func:`kvplugin.cache.codec.prerope.turn_numpy`).
+    the keys' rope put back (:func:`kvplugin.cache.codec.prerope.turn_numpy`); ``gaps_to``: the
+    ``n`` rows spread to that many first, gaps where the protected rows go
+    (:func:`kvplugin.cache.codec.protected.open_gaps`).
     """
+    from kvplugin.cache.codec.protected import open_gaps, protected_ranges
     from kvplugin.cache.codec.protected import restore_protected as _restore_protected
     from kvplugin.codecs import CHANNEL_KEYS, SYM
 
@@ -181,10 +185,13 @@ def restore_layer(layer: Any, codec: str, seed: int, n: int, vbits: int, kept: l
                 (restore_values, layer.values, kept[1], vbits, None)):
             x = restore(parts, n, layer.group_size, bits)  # still rotated
             x = x @ _unrotation(x.shape[-1], seed)  # one GEMM per head, no copy of the view
+            if gaps_to is not None:
+                x = open_gaps(x, protected_ranges(layer), gaps_to)
             if turned is not None:
                 from kvplugin.cache.codec.prerope import turn_numpy
 
                 x = turn_numpy(x, turned, runs)
-            x = _restore_protected(x, None if rows is None else _f32(rows), layer, n)
+            x = _restore_protected(x, None if rows is None else _f32(rows), layer,
+                                   n if gaps_to is None else gaps_to)
             out.append(mx.array(x.astype(np.float16) if dtype == mx.float16 else x))
     return tuple(x if x.dtype == dtype else x.astype(dtype) for x in out)  # bfloat16

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from kvplugin.codecs import UnknownCodec
 
 __all__ = ["BOUNDARY_ATTR", "RECENT_ATTR", "RECENT_START_ATTR", "SINK_ATTR",
-           "protected_ranges", "restore_protected"]
+           "protected_ranges", "restore_protected", "free_ranges", "open_gaps"]
 
 SINK_ATTR = "kvplugin_sink_tokens"
 RECENT_ATTR = "kvplugin_recent_tokens"
@@ -62,3 +63,29 @@ def restore_protected(out: mx.array, kept: mx.array | None, layer: Any, n: int) 
             out[..., start:stop, :] = kept[..., row : row + stop - start, :].astype(out.dtype)
         row += count
     return out
+
+
+def free_ranges(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """``(start, count)`` of the rows below ``n`` that ``ranges`` (ascending, disjoint) leave."""
+    free, at = [], 0
+    for start, count in [r for r in ranges if r[1]] + [(n, 0)]:
+        if start > at:
+            free.append((at, start - at))
+        at = max(at, start + count)
+    return free
+
+
+def open_gaps(x: Any, ranges: list[tuple[int, int]], n: int) -> Any:
+    """``x``'s rows (the codes of the rows ``ranges`` leave, in order) spread over ``n`` rows,
+    zeros where ``ranges`` are, for :func:`restore_protected` to fill; an MLX or numpy array."""
+    zeros, concatenate = ((mx.zeros, mx.concatenate) if isinstance(x, mx.array)
+                          else (np.zeros, np.concatenate))
+    pieces, row, at = [], 0, 0
+    for start, count in ranges + [(n, 0)]:
+        if start > at:
+            pieces.append(x[..., row : row + start - at, :])
+            row += start - at
+        if count:
+            pieces.append(zeros((*x.shape[:-2], count, x.shape[-1]), dtype=x.dtype))
+        at = max(at, start + count)
+    return concatenate(pieces, axis=-2)

@@ -13,9 +13,12 @@ Which slots are protected (where the codec protects sinks and recent tokens at a
 first ``keep`` slots always hold the first ``keep`` tokens, the ring's attention sinks (an
 unwrapped ring holds tokens in order, so its first sink tokens too); the newest token is in
 slot ``_idx - 1``, and older ones go back through the ring ``[keep, slots)``, wrapping past
-its end (recorded as a range between the sinks and the recent rows). Protected rows are also
-left out of the per-channel key ranges (replaced by the mean key before encoding): a ring is
-never cut nor reused row by row, and a sink's large key otherwise sets its group's range.
+its end (recorded as a range between the sinks and the recent rows). Protected slots are
+stored at full precision only: the codes hold the other slots, in slot order, and the layer
+records the slots it restores to (:data:`kvplugin.codecs.RING_SLOTS_ATTR`). A ring is never
+cut nor reused row by row, so nothing needs its protected rows among the codes (a plain
+layer's prefix copy does), and a sink's large key stays out of its group's range.
+A record without it (kvplugin before 2026-12-07) holds every slot among the codes.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ from mlx_lm.models.cache import RotatingKVCache
 from kvplugin.cache.codec import rotation
 from kvplugin.cache.codec.channel import scale_rows
 from kvplugin.cache.codec.prerope import KEY_ROPE_ATTR, check_rope, ring_runs, turn
+from kvplugin.cache.codec.protected import free_ranges
 from kvplugin.cache.layers import LayerKind, register_kind
 from kvplugin.cache.codec.rows import (BOUNDARY_ATTR, CHANNEL_KEYS, RECENT_ATTR,
                                           RECENT_START_ATTR, SINK_ATTR, check_record,
                                           codec_arrays, dtype_name, encode_rows,
                                           fitting_codec, protect_rows, protected_ranges,
-                                          restore_rows)
-from kvplugin.codecs import CODEC_ATTR, SEED_ATTR, VALUE_BITS_ATTR, UnknownCodec
+                                          restore_rows, rows_of)
+from kvplugin.codecs import (CODEC_ATTR, RING_SLOTS_ATTR, SEED_ATTR, VALUE_BITS_ATTR,
+                             UnknownCodec)
 
 __all__ = ["QuantizedRotatingKVCache", "quantize_rotating", "dequantize_rotating",
            "is_rotating_quantizable", "rotating_codec", "protected_slots", "coded_keys"]
@@ -45,12 +50,13 @@ class QuantizedRotatingKVCache:
     """A stored rotating layer: the codec's arrays over its slots, and how to restore it.
 
     Not a cache the host can run (it is only ever in the store): ``offset`` is the tokens the
-    layer has seen, ``keys[0].shape[-2]`` the slots it holds.
+    layer has seen; it holds :data:`RING_SLOTS_ATTR` slots (where recorded; else
+    ``keys[0].shape[-2]``, the rows its codes hold).
     """
 
     #: Record attributes a stored layer may carry besides those ``__init__`` sets
     OPTIONAL = (VALUE_BITS_ATTR, SINK_ATTR, RECENT_START_ATTR, RECENT_ATTR, BOUNDARY_ATTR,
-                KEY_ROPE_ATTR)
+                KEY_ROPE_ATTR, RING_SLOTS_ATTR)
 
     def __init__(self) -> None:
         self.keys: tuple | None = None
@@ -112,35 +118,17 @@ def protected_slots(offset: int, slots: int, keep: int, idx: int, sink: int,
     return [(0, head), (idx - before, before)]
 
 
-def _without_protected(keys: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
-    """``keys`` with the protected slots replaced by the mean of the others (per channel)."""
-    held = mx.zeros((keys.shape[-2], 1), dtype=mx.bool_)
-    for start, count in ranges:
-        if count:
-            held[start : start + count] = True
-    free = keys.shape[-2] - sum(c for _, c in ranges)
-    if free <= 0 or free == keys.shape[-2]:
-        return keys
-    wide = keys.astype(mx.float32)
-    mean = mx.where(held, 0.0, wide).sum(axis=-2, keepdims=True) / free
-    return mx.where(held, mean, wide).astype(keys.dtype)
-
-
-def coded_keys(layer: RotatingKVCache, codec: str, sink: int, recent: int,
-               rope: Any = None) -> tuple[mx.array, Any]:
+def coded_keys(layer: RotatingKVCache, codec: str, rope: Any = None) -> tuple[mx.array, Any]:
     """The ring's held keys as ``codec`` (fitted to the widths) quantizes them, and the rope
     taken out of them (None where none is): pre-RoPE at each slot's position where ``rope``
-    is given and the ring's positions are known, protected slots set to the others' mean
-    for per-channel keys."""
+    is given, the codec stores keys per channel and the ring's positions are known."""
     slots = held_slots(layer)
     keys = layer.keys[..., :slots, :]
     if codec not in CHANNEL_KEYS:
         return keys, None
     runs = ring_runs(layer.offset, slots, layer.keep, min(layer._idx, slots))
     rope = rope if runs is not None else None
-    coded = keys if rope is None else turn(keys, rope, runs, -1.0)
-    ranges = protected_slots(layer.offset, slots, layer.keep, layer._idx, sink, recent)
-    return _without_protected(coded, ranges), rope
+    return (keys if rope is None else turn(keys, rope, runs, -1.0)), rope
 
 
 def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int,
@@ -158,8 +146,13 @@ def quantize_rotating(layer: RotatingKVCache, bits: int, group_size: int,
     vbits = bits if value_bits is None else value_bits
     codec = fitting_codec(codec, keys.shape[-1], values.shape[-1])
     ranges = protected_slots(layer.offset, slots, layer.keep, layer._idx, sink, recent)
-    coded, rope = coded_keys(layer, codec, sink, recent, rope)
-    q.keys, q.values = encode_rows(coded, values, codec, bits, vbits, group_size, chunk_bytes)
+    coded, rope = coded_keys(layer, codec, rope)
+    free, coded_values = free_ranges(ranges, slots), values
+    if free and free != [(0, slots)]:  # the protected slots only at full precision
+        coded, coded_values = rows_of(coded, free), rows_of(values, free)
+        setattr(q, RING_SLOTS_ATTR, slots)
+    q.keys, q.values = encode_rows(coded, coded_values, codec, bits, vbits, group_size,
+                                   chunk_bytes)
     protect_rows(q, keys, values, ranges)
     setattr(q, CODEC_ATTR, codec)
     if codec != "affine":
@@ -185,38 +178,45 @@ def _resolve(spec: str) -> type:
     return cls if isinstance(cls, type) and issubclass(cls, RotatingKVCache) else RotatingKVCache
 
 
-def _slots(q: QuantizedRotatingKVCache) -> int:
+def _slots(q: QuantizedRotatingKVCache) -> tuple[int, int]:
+    """The rows the stored layer's codes hold and the slots it restores to (more where the
+    protected slots are held at full precision only)."""
     ints = (q.offset, q.max_size, q.keep, q._idx, q.group_size)
     if (not all(type(x) is int and x >= 0 for x in ints) or q.group_size == 0
             or not isinstance(q.keys, tuple) or not isinstance(q.values, tuple)
             or not q.keys or not q.values):
         raise UnknownCodec("stored rotating layer without a consistent record")
-    slots = q.keys[0].shape[-2]
-    if q.values[0].shape[-2] != slots or q._idx > slots or q.keep > slots:
+    stored = q.keys[0].shape[-2]
+    slots = getattr(q, RING_SLOTS_ATTR, stored)
+    if (type(slots) is not int or slots < stored or q.values[0].shape[-2] != stored
+            or q._idx > slots or q.keep > slots):
         raise UnknownCodec("stored rotating layer whose slots do not match its record")
-    return slots
+    return stored, slots
 
 
 def rotating_codec(q: QuantizedRotatingKVCache) -> tuple[str, int]:
     """The stored layer's codec and seed; :class:`UnknownCodec` for one this version cannot
     read (a record from a newer kvplugin, or a damaged one): a miss, never misread."""
-    slots = _slots(q)
-    codec, seed = check_record(q, slots)
+    stored, slots = _slots(q)
+    codec, seed = check_record(q, stored)
     if codec != "affine" and not all(rotation.rotatable(p.shape[-1] * 32 // bits) for p, bits
                                      in ((q.keys[0], q.bits),
                                          (q.values[0], getattr(q, VALUE_BITS_ATTR, q.bits)))):
         raise UnknownCodec(f"{codec} window layer without a power-of-two width")
     for name, parts in (("keys", q.keys), ("values", q.values)):
         per_group = name == "keys" and codec in CHANNEL_KEYS
-        want = scale_rows(slots, q.group_size) if per_group else slots
+        want = scale_rows(stored, q.group_size) if per_group else stored
         if any(p.shape[-2] != want for p in parts[1:codec_arrays(codec, name)]):
             raise UnknownCodec(f"stored rotating layer whose {name} scales do not match")
+    held = 0
     if len(q.keys) > codec_arrays(codec, "keys"):
         ranges = protected_ranges(q)
         held = sum(c for _, c in ranges)
         if (max(a + c for a, c in ranges) > slots
                 or any(p[-1].shape[-2] != held for p in (q.keys, q.values))):
             raise UnknownCodec("stored rotating layer whose protected slots do not match")
+    if slots != stored and stored + held != slots:
+        raise UnknownCodec("stored rotating layer whose codes and protected slots do not add up")
     return codec, seed
 
 
@@ -232,11 +232,12 @@ def dequantize_rotating(q: QuantizedRotatingKVCache, rope: Any = None) -> Rotati
     dtype = getattr(mx, q.dtype_name, mx.float16)
     dtype = dtype if isinstance(dtype, mx.Dtype) else mx.float16
     rope = check_rope(q, codec, rope)  # None for keys stored post-RoPE
-    slots = _slots(q)
+    stored, slots = _slots(q)
     runs = None if rope is None else ring_runs(q.offset, slots, q.keep, q._idx)
     if rope is not None and runs is None:
         raise UnknownCodec("stored rotating layer with pre-RoPE keys and no slot positions")
-    keys, values = restore_rows(q, codec, seed, slots, dtype, rope, runs)
+    keys, values = restore_rows(q, codec, seed, stored, dtype, rope, runs,
+                                None if slots == stored else slots)
     layer.keys = keys if keys.dtype == dtype else keys.astype(dtype)
     layer.values = values if values.dtype == dtype else values.astype(dtype)
     layer.offset, layer._idx = q.offset, q._idx

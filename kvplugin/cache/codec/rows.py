@@ -20,15 +20,16 @@ from typing import Any
 import mlx.core as mx
 
 from kvplugin.cache.codec.cpu_dequantize import dequantize, restore_layer, restores_here
-from kvplugin.cache.codec.protected import (BOUNDARY_ATTR, RECENT_ATTR, RECENT_START_ATTR, SINK_ATTR,
-                                      protected_ranges, restore_protected)
+from kvplugin.cache.codec.protected import (BOUNDARY_ATTR, RECENT_ATTR, RECENT_START_ATTR,
+                                            SINK_ATTR, open_gaps, protected_ranges,
+                                            restore_protected)
 from kvplugin.cache.codec.row_chunks import in_row_chunks
 from kvplugin.codecs import (CHANNEL_KEYS, CODEC_ATTR, CODECS, SEED_ATTR, SYM, VALUE_BITS_ATTR,
                              UnknownCodec, fitting_codec)
 
 __all__ = ["SYM", "CHANNEL_KEYS", "ALLOWED_BITS", "DTYPE_ATTR", "SINK_ATTR", "RECENT_ATTR",
            "RECENT_START_ATTR", "BOUNDARY_ATTR", "fitting_codec", "encode_rows",
-           "protect_rows", "protected_ranges", "codec_arrays", "check_record",
+           "protect_rows", "protected_ranges", "codec_arrays", "check_record", "rows_of",
            "restore_rows", "dtype_name"]
 
 ALLOWED_BITS = (2, 3, 4, 5, 6, 8)
@@ -72,7 +73,11 @@ def encode_rows(keys: mx.array, values: mx.array, codec: str, bits: int, vbits: 
             in_row_chunks(values, encode_values, chunk, group))
 
 
-def _rows_of(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
+def rows_of(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
+    """The rows of ``ranges`` (``(start, count)``, ascending), one after another (one range:
+    a view)."""
+    if len(ranges) == 1:
+        return x[..., ranges[0][0] : sum(ranges[0]), :]
     return mx.concatenate([x[..., a : a + c, :] for a, c in ranges], axis=-2)
 
 
@@ -82,8 +87,8 @@ def protect_rows(q: Any, keys: mx.array, values: mx.array, ranges: list[tuple[in
     array, and record where they go. Nothing when no range holds a row."""
     if not any(c for _, c in ranges):
         return
-    q.keys += (_rows_of(keys, ranges),)
-    q.values += (_rows_of(values, ranges),)
+    q.keys += (rows_of(keys, ranges),)
+    q.values += (rows_of(values, ranges),)
     (_, sink), *between, (start, recent) = ranges
     setattr(q, SINK_ATTR, sink)
     setattr(q, RECENT_START_ATTR, start)
@@ -169,24 +174,31 @@ def _dequantize_codec(layer: Any, codec: str, n: int, vbits: int, dtype: Any):
 
 
 def restore_rows(layer: Any, codec: str, seed: int, n: int, dtype: Any,
-                 rope: Any = None, runs: Any = None) -> tuple[mx.array, mx.array]:
+                 rope: Any = None, runs: Any = None, gaps_to: int | None = None
+                 ) -> tuple[mx.array, mx.array]:
     """The first ``n`` rows of keys and values of a stored layer (its record checked by
     :func:`check_record`), in ``dtype``, left unevaluated where MLX computes them. With MLX
     on the CPU, rotated codecs with 2-, 4- or 8-bit codes restore in numpy
     (:mod:`kvplugin.cache.codec.cpu_dequantize`); elsewhere MLX's kernels. ``rope`` and
     ``runs``: keys stored pre-RoPE get the model's rope back at these positions
     (:mod:`kvplugin.cache.codec.prerope`) before the protected rows, kept as the model
-    made them, are written over them."""
+    made them, are written over them. ``gaps_to``: the codes hold only the rows the
+    protected ones leave (a ring, :data:`kvplugin.codecs.RING_SLOTS_ATTR`), spread back to
+    ``gaps_to`` rows before the rope."""
     vbits = getattr(layer, VALUE_BITS_ATTR, layer.bits)
     kept = [arrays[-1] if len(arrays) > codec_arrays(codec, name) else None
             for name, arrays in (("keys", layer.keys), ("values", layer.values))]
     if restores_here(codec, layer.bits, vbits):
-        return restore_layer(layer, codec, seed, n, vbits, kept, dtype, rope, runs)
+        return restore_layer(layer, codec, seed, n, vbits, kept, dtype, rope, runs, gaps_to)
     keys, values = _dequantize_codec(layer, codec, n, vbits, dtype)
     if codec != "affine":
         from kvplugin.cache.codec.rotation import unrotate
 
         keys, values = unrotate(keys, seed), unrotate(values, seed)
+    if gaps_to is not None:
+        ranges = protected_ranges(layer)
+        keys, values = open_gaps(keys, ranges, gaps_to), open_gaps(values, ranges, gaps_to)
+        n = gaps_to
     if rope is not None:
         from kvplugin.cache.codec.prerope import turn
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvplugin.codecs import VALUE_BITS_ATTR
+from kvplugin.codecs import RING_SLOTS_ATTR, VALUE_BITS_ATTR
 
 __all__ = ["dense_nbytes", "entry_arrays", "entry_nbytes", "entry_tokens", "layer_bits"]
 
@@ -97,6 +97,7 @@ def dense_nbytes(layer: Any) -> int:
     value_bits = getattr(layer, VALUE_BITS_ATTR, bits)  # K/V-asymmetric widths
     for parts, width in ((layer.keys, bits), (layer.values, value_bits)):
         *lead, slots, packed_dim = parts[0].shape  # slots held (a trimmed entry: its tokens)
+        slots = getattr(layer, RING_SLOTS_ATTR, slots)  # a ring's protected slots, not coded
         count = slots * (packed_dim * 32 // width)
         for d in lead:
             count *= d

@@ -124,7 +124,7 @@ def _de_qrot(desc: dict, arrays: dict):
     ints = (obj.offset, obj.max_size, obj.keep, obj._idx, obj.bits, obj.group_size)
     if (not 2 <= min(len(keys), len(values)) <= max(len(keys), len(values)) <= 4
             or not all(isinstance(x, int) and x >= 0 for x in ints)
-            or keys[0].shape[-2] != values[0].shape[-2] or obj._idx > keys[0].shape[-2]):
+            or keys[0].shape[-2] != values[0].shape[-2]):
         raise Corrupt(f"{_QROT}: inconsistent arrays or scalars")
     return obj  # the codec's own record is checked where it is read (a miss if unknown)
 
