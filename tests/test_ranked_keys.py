@@ -134,6 +134,9 @@ def test_the_remote_namespace_names_the_ranking():
                                            "kv_cache_quantization_bits": 4,
                                            "kv_cache_key_bits": 4}))
     assert ranked.endswith(":ranked-k6") and "ranked" not in plain
+    # and the ring layout: replicas from before it read (and delete) such entries as damaged
+    eight = entry_format(resolve_settings({"kv_cache_quantization": True}))
+    assert ":rings-once" in ranked and ":rings-once" in plain and ":rings-once" not in eight
 
 
 def test_kvplugins_own_bounded_rings_are_ranked_too():
