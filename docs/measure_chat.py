@@ -9,6 +9,9 @@ flags. Prints, per run, how many of the 8 answers equal stock's and the prompt t
 turn reused.
 
     python docs/measure_chat.py MODEL_DIR "--kv-cache-quantization-bits 4" ["FLAGS" ...]
+    python docs/measure_chat.py --host-flags "--max-kv-size 512" MODEL_DIR "FLAGS" ...
+
+``--host-flags``: the host's own flags, given to every run, stock's included (a bounded cache).
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ def chat(model_dir: str, flags: list[str], env: dict) -> list[tuple[str, int]]:
 
 
 def main(argv: list[str]) -> int:
+    host_flags: list[str] = []
+    if argv[:1] == ["--host-flags"]:
+        host_flags, argv = shlex.split(argv[1]), argv[2:]
     model_dir, runs = argv[0], argv[1:]
-    stock = chat(model_dir, [], {"KVPLUGIN_DISABLE": "1"})
-    print(f"stock: reused {[c for _, c in stock]}")
+    stock = chat(model_dir, host_flags, {"KVPLUGIN_DISABLE": "1"})
+    print(f"stock {' '.join(host_flags)}: reused {[c for _, c in stock]}")
     for flags in runs:
-        got = chat(model_dir, shlex.split(flags), {})
+        got = chat(model_dir, host_flags + shlex.split(flags), {})
         same = sum(a == b for (a, _), (b, _) in zip(got, stock))
         print(f"kvplugin {flags}: {same} of {len(stock)} answers equal stock's, "
               f"reused {[c for _, c in got]}")
