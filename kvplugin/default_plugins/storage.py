@@ -23,7 +23,7 @@ def entry_format(settings: KVPluginSettings) -> str:
     return (f"{plan.codec}:k{plan.key_bits}v{plan.value_bits}:g{plan.group_size}"
             f":min{settings.kv_cache_min_quantize_tokens}"
             f":sink{plan.sink_tokens}:recent{plan.recent_tokens}"
-            # a ring's protected slots stored once (2026-12-07): readers before it drop those
+            # a ring's protected slots stored once (2026-12-07): older readers delete such entries
             f"{':rings-once' if plan.sink_tokens or plan.recent_tokens else ''}"
             f"{':prerope' if plan.prerope_keys else ''}"
             f"{':wide{}v{}g{}'.format(*plan.wide_head_keys) if plan.wide_head_keys else ''}"

@@ -18,7 +18,7 @@ stored at full precision only: the codes hold the other slots, in slot order, an
 records the slots it restores to (:data:`kvplugin.codecs.RING_SLOTS_ATTR`). A ring is never
 cut nor reused row by row, so nothing needs its protected rows among the codes (a plain
 layer's prefix copy does), and a sink's large key stays out of its group's range.
-A record without it (kvplugin before 2026-12-07) holds every slot among the codes.
+A record without the slot count (kvplugin before 2026-12-07) holds every slot among the codes.
 """
 
 from __future__ import annotations
