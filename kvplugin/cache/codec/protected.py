@@ -81,11 +81,10 @@ def open_gaps(x: Any, ranges: list[tuple[int, int]], n: int) -> Any:
     zeros, concatenate = ((mx.zeros, mx.concatenate) if isinstance(x, mx.array)
                           else (np.zeros, np.concatenate))
     pieces, row, at = [], 0, 0
-    for start, count in ranges + [(n, 0)]:
-        if start > at:
-            pieces.append(x[..., row : row + start - at, :])
-            row += start - at
+    for start, count in free_ranges(ranges, n) + [(n, 0)]:
+        if start > at:  # a protected range
+            pieces.append(zeros((*x.shape[:-2], start - at, x.shape[-1]), dtype=x.dtype))
         if count:
-            pieces.append(zeros((*x.shape[:-2], count, x.shape[-1]), dtype=x.dtype))
-        at = max(at, start + count)
+            pieces.append(x[..., row : row + count, :])
+        row, at = row + count, start + count
     return concatenate(pieces, axis=-2)
