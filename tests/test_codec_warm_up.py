@@ -1,6 +1,7 @@
-"""The configured codec (at 8 bits also the one of entries with a window) runs once at
-start-up (``kvplugin_configure``), not inside the first request that stores an entry: its
-kernels' code and numpy's BLAS are loaded before serving."""
+"""The configured codec (at 8 bits also the one of entries with a window) runs once when the
+host has loaded its model (``KVService.learn_model``), not inside the first request that
+stores an entry: its kernels' code and numpy's BLAS are loaded before serving, after the
+host's load (so not under its peak)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,35 @@ from kvplugin.plugins import create_plugin_manager
 from kvplugin.settings import resolve_settings
 
 
+def _tiny_model():
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=2, rms_norm_eps=1e-5,
+                           vocab_size=128, num_key_value_heads=1)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
 def _service(host: str = "test", **flags) -> KVService:
+    """A service that has learnt a (tiny) model, as a host's start-up leaves it."""
+    from mlx_lm.models.cache import make_prompt_cache
+
     pm = create_plugin_manager(load_entry_points=False)
-    return KVService(resolve_settings(flags), host=host, hook=pm.hook, max_bytes=1 << 30)
+    service = KVService(resolve_settings(flags), host=host, hook=pm.hook, max_bytes=1 << 30)
+    if host != "none":  # kvplugin info loads no model
+        model = _tiny_model()
+        service.learn_model(model, make_prompt_cache(model))
+    return service
+
+
+@pytest.fixture(autouse=True)
+def _cold_codec():
+    quantize.warm_up.cache_clear()  # once per plan and process: each test starts cold
+    yield
+    getattr(quantize.warm_up, "cache_clear", lambda: None)()  # a test may stand in for it
 
 
 @pytest.mark.parametrize("bits,codecs", [(4, ["rotated-channel"]),
@@ -40,9 +67,18 @@ def test_the_configured_codec_round_trips_once_per_dtype_before_serving(monkeypa
         restored.append(type(out[0]).__name__)
         return out
 
+    pm = create_plugin_manager(load_entry_points=False)
+    service = KVService(resolve_settings({"kv_cache_quantization": True,
+                                          "kv_cache_quantization_bits": bits}),
+                        host="test", hook=pm.hook, max_bytes=1 << 30)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = _tiny_model()
     monkeypatch.setattr(quantize, "quantize_entry", spy_q)
     monkeypatch.setattr(quantize, "dequantize_entry", spy_d)
-    _service(kv_cache_quantization=True, kv_cache_quantization_bits=bits)
+    assert seen == []  # not before the host's load
+    service.learn_model(model, make_prompt_cache(model))
+    service.learn_model(model, make_prompt_cache(model))  # a second load: warm already
     import mlx.core as mx
 
     assert seen == [(dt, codec, bits, bits) for codec in codecs
@@ -64,8 +100,6 @@ _FIRST_ROUND_TRIP = textwrap.dedent("""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
     from kvplugin.cache.codec.quantize import dequantize_entry, quantize_entry
-    from kvplugin.cache.service.service import KVService
-    from kvplugin.plugins import create_plugin_manager
     from kvplugin.settings import resolve_settings
 
     def rss_kib():
@@ -74,9 +108,10 @@ _FIRST_ROUND_TRIP = textwrap.dedent("""
                 return int(line.split()[1])
 
     if WARM:
-        KVService(resolve_settings({"kv_cache_quantization": True,
-                                    "kv_cache_quantization_bits": 4}), host="test",
-                  hook=create_plugin_manager(load_entry_points=False).hook, max_bytes=1 << 30)
+        from kvplugin.cache.codec.quantize import warm_up
+        from kvplugin.codecs import codec_plan
+        warm_up(codec_plan(resolve_settings({"kv_cache_quantization": True,
+                                             "kv_cache_quantization_bits": 4})))
     layer = KVCache()
     x = mx.random.normal((1, 2, 300, 64)).astype(mx.float16)
     layer.update_and_fetch(x, -x)

@@ -1,5 +1,5 @@
 """Default quantize codec: mlx-lm's ``QuantizedKVCache`` at the configured codec, key/value
-bits and group (see :mod:`kvplugin.cache.codec.quantize`), warmed up before the host serves."""
+bits and group (see :mod:`kvplugin.cache.codec.quantize`)."""
 
 from __future__ import annotations
 
@@ -9,23 +9,6 @@ from kvplugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from kvplugin.settings import KVPluginSettings
-
-
-@hookimpl(trylast=True)
-def kvplugin_configure(settings: KVPluginSettings, host: str) -> None:
-    """Run the configured codec once on a small synthetic entry before the host serves.
-
-    Why: the first quantize and restore in a process load their MLX kernels' code and numpy's
-    BLAS, ~4-8 MiB of resident memory and ~30 ms, which otherwise landed inside the first
-    request that stored an entry (a 300-token conversation on a 2-layer model read as a
-    process high-water growth of 13x the entry against stock's 6.6x). Done here, it is
-    part of the server's start-up, like the host loading its model. Not for ``kvplugin info``
-    (``host == "none"``), which serves nothing."""
-    if settings.kv_cache_quantization and host != "none":
-        from kvplugin.cache.codec.quantize import warm_up
-        from kvplugin.codecs import codec_plan
-
-        warm_up(codec_plan(settings))
 
 
 @hookimpl(trylast=True)

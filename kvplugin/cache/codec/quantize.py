@@ -19,6 +19,7 @@ Imports only ``mlx.core`` and ``mlx_lm.models.cache``; works on mlx-lm 0.31.3 an
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -459,11 +460,13 @@ def _dequantize_one(item: tuple[int, Any], rope: Any = None) -> tuple[int, Any]:
     return i, kv
 
 
+@functools.cache
 def warm_up(plan: Any) -> None:
     """Quantize and restore one small synthetic entry with ``plan`` (a
     :class:`kvplugin.codecs.CodecPlan`) in each dtype a model's cache may have, so that the
-    kernels the codec uses are loaded now (see ``kvplugin_configure`` in
-    :mod:`kvplugin.default_plugins.quantize`)."""
+    kernels the codec uses are loaded now (see
+    :meth:`kvplugin.cache.service.service.KVService.learn_model`); once per plan and
+    process, as the kernels stay loaded."""
     rows = 2 * plan.group_size + plan.sink_tokens + plan.recent_tokens + 1
     ramp = mx.arange(rows * plan.group_size, dtype=mx.float32).reshape(1, 1, rows, -1)
     codecs = dict.fromkeys((plan.codec, plan.window_codec or plan.codec))  # both, in order

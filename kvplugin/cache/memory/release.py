@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-__all__ = ["buffer_cache_bytes", "mlx_memory", "release_buffer_cache"]
+__all__ = ["buffer_cache_bytes", "mlx_memory", "release_buffer_cache", "trim_heap"]
 
 
 def buffer_cache_bytes() -> int:
@@ -31,7 +31,7 @@ def release_buffer_cache() -> int:
     held = int(mx.get_cache_memory())
     if held:
         mx.clear_cache()
-        _trim_c_heap()
+        trim_heap()
     return held - int(mx.get_cache_memory())
 
 
@@ -46,10 +46,12 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-def _trim_c_heap() -> None:
+def trim_heap() -> None:
     """On Linux, MLX's CPU buffers come from ``malloc``; glibc keeps freed pages in the middle
     of its heap resident until asked, so the process RSS would not fall. (On a Mac, Metal
-    buffers go straight back to the system.)"""
+    buffers go straight back to the system.) Also called once at the end of kvplugin's own
+    start-up work (settings, the model probe, codec warm-up): what that freed is handed back
+    before the host loads its model and serves, so it does not sit under the host's peaks."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

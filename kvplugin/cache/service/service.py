@@ -32,6 +32,7 @@ import mlx.core as mx
 from kvplugin.cache.layers import entry_arrays, entry_nbytes, entry_tokens, layer_bits
 from kvplugin.cache.bounded.prealloc import rewind_decode
 from kvplugin.cache.memory.admission import AdmissionControl
+from kvplugin.cache.memory.release import trim_heap
 from kvplugin.cache.store.prompts import RecentPrompts
 from kvplugin.cache.store.prompt_store import PromptStore
 from kvplugin.cache.service.holdings import Holdings
@@ -99,6 +100,7 @@ class KVService(Holdings, Persistence, Reporting):
             **store_demotion(self),
         )
         self.admission = AdmissionControl(settings, self.store, hook)
+        trim_heap()  # what start-up freed (the settings), before the host loads its model
 
     def model_key(self, fingerprint: str) -> str:
         """The store's model key for a checkpoint ``fingerprint`` served by this process."""
@@ -142,12 +144,11 @@ class KVService(Holdings, Persistence, Reporting):
         return result
 
     def learn_model(self, model: Any, fresh_cache: list, *, serving_thread: bool = False) -> None:
-        """A host loaded ``model``: admission control probes its memory per token, with a
-        fresh cache shaped as a request's (not counted as one). Call it in the thread that
-        runs the model, before it serves. ``serving_thread``: this thread also does the
-        requests' cache work later (mlx-lm's generation thread), so its codec lanes start
-        here (:func:`kvplugin.cache.codec.lanes.open_lanes`), not inside its first hit.
-        The codec learns each layer's key rope here too (:attr:`key_ropes`)."""
+        """A host loaded ``model`` (call it in the thread that runs it, before it serves):
+        admission control probes its memory per token, the codec learns each layer's key rope
+        (:attr:`key_ropes`) and is warmed up (:func:`~kvplugin.cache.codec.quantize.warm_up`;
+        after the load, so its code pages are not under the load's peak). ``serving_thread``:
+        it does the requests' cache work too (mlx-lm), so the codec lanes start here."""
         if serving_thread:
             from kvplugin.cache.codec.lanes import open_lanes
 
@@ -155,11 +156,16 @@ class KVService(Holdings, Persistence, Reporting):
         from kvplugin.cache.model.rope import key_ropes
 
         self.key_ropes = key_ropes(model, fresh_cache)
-        if self.admission.ledger is None:
-            return
-        shaped = self.hook.kvplugin_make_cache(model=model, cache=fresh_cache,
-                                               settings=self.settings)
-        self.admission.learn_model(model, fresh_cache if shaped is None else shaped)
+        if self.admission.ledger is not None:
+            shaped = self.hook.kvplugin_make_cache(model=model, cache=fresh_cache,
+                                                   settings=self.settings)
+            self.admission.learn_model(model, fresh_cache if shaped is None else shaped)
+        if self.settings.kv_cache_quantization:
+            from kvplugin.cache.codec.quantize import warm_up
+            from kvplugin.codecs import codec_plan
+
+            warm_up(codec_plan(self.settings))
+        trim_heap()  # what the probe and the host's load freed, before the first request
 
     def batch_plan(self) -> BatchPlan:
         """How a host's batched path runs (a host applies it in its own terms).
