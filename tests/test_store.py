@@ -14,6 +14,7 @@ import threading
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -206,6 +207,32 @@ def test_a_lent_recurrent_prefix_is_stored_again_when_its_continuation_cannot_se
     assert s.stats().lent_kept == 1 and len(s) == 2
     got, n = s.fetch("m", system + [3, 3])  # a later conversation
     assert n == 8 and got[0][0].item() == 8.0
+
+
+@pytest.mark.parametrize("prompt_len", [None, 8])  # a checkpoint, or a finished turn's prompt
+def test_a_lent_window_entry_whose_continuation_wrapped_is_stored_again(prompt_len):
+    """Gemma 3, measured: a conversation's third turn passed its 512-token windows, and the
+    one entry still short enough to be cut to the shared system prompt (its previous
+    prompt's, a finished turn's: ``prompt_len`` known) was moved out and dropped at the
+    insert, where stock keeps it. The next conversation reused nothing; stock 430 tokens."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    def window(tokens):
+        c = RotatingKVCache(max_size=10, keep=0)
+        x = mx.ones((1, 1, len(tokens), 4))
+        c.update_and_fetch(x, x)
+        return [c]
+
+    s = PromptStore(max_bytes=1 << 30)
+    turn = seq(100, 8)
+    s.insert("m", turn, window(turn), prompt_len=prompt_len)
+    owner, n = s.fetch("m", turn + [1, 1, 1, 1])
+    assert n == 8
+    longer = turn + [1, 1, 1, 1, 2]  # 13 tokens in a 10-slot window: wrapped
+    s.insert("m", longer, window(longer))
+    assert s.stats().lent_kept == 1 and len(s) == 2
+    got, n = s.fetch("m", turn[:5] + [3, 3])  # another conversation sharing 5 tokens
+    assert n == 5 and got[0].offset == 5
 
 
 def test_exact_match_trims_one_token_or_falls_back():

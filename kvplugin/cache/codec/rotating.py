@@ -16,13 +16,16 @@ slot ``_idx - 1``, and older ones go back through the ring ``[keep, slots)``, wr
 its end (recorded as a range between the sinks and the recent rows). Protected slots are
 stored at full precision only: the codes hold the other slots, in slot order, and the layer
 records the slots it restores to (:data:`kvplugin.codecs.RING_SLOTS_ATTR`). A ring is never
-cut nor reused row by row, so nothing needs its protected rows among the codes (a plain
-layer's prefix copy does), and a sink's large key stays out of its group's range.
+reused row by row, so nothing needs its protected rows among the codes (a plain layer's
+prefix copy does), and a sink's large key stays out of its group's range. A ring that has not
+wrapped can still be cut to a shorter prefix, as stock trims it (:meth:`~QuantizedRotatingKVCache.cut`):
+restored whole, then trimmed.
 A record without the slot count (kvplugin before 2026-12-07) holds every slot among the codes.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -44,6 +47,10 @@ from kvplugin.codecs import (CODEC_ATTR, RING_SLOTS_ATTR, SEED_ATTR, VALUE_BITS_
 
 __all__ = ["QuantizedRotatingKVCache", "quantize_rotating", "dequantize_rotating",
            "is_rotating_quantizable", "rotating_codec", "protected_slots", "coded_keys"]
+
+
+#: On a served copy only, never stored: restore the first this many tokens (:meth:`cut`).
+CUT_ATTR = "kvplugin_cut_to"
 
 
 class QuantizedRotatingKVCache:
@@ -75,6 +82,23 @@ class QuantizedRotatingKVCache:
 
     def is_trimmable(self) -> bool:  # a wrapped ring cannot lose its last tokens
         return False
+
+    def can_cut(self, n: int) -> bool:
+        """Whether :meth:`cut` can give the first ``n`` tokens: only from a ring that has not
+        wrapped (its slots hold tokens ``[0, offset)`` in order), as stock's trim."""
+        return (self.keys is not None and 1 <= n <= self.offset <= self.max_size
+                and self._idx == self.offset)
+
+    def cut(self, n: int) -> QuantizedRotatingKVCache | None:
+        """The same stored arrays (shared, nothing copied) marked to restore as the first
+        ``n`` tokens (:data:`CUT_ATTR`; :func:`dequantize_rotating` trims the restored ring),
+        for another conversation sharing a prefix (:func:`kvplugin.cache.layers.copy_prefix`).
+        None where it cannot (:meth:`can_cut`)."""
+        if not self.can_cut(n):
+            return None
+        new = copy.copy(self)
+        setattr(new, CUT_ATTR, min(n, getattr(self, CUT_ATTR, n)))
+        return new
 
     @property
     def nbytes(self) -> int:
@@ -243,4 +267,7 @@ def dequantize_rotating(q: QuantizedRotatingKVCache, rope: Any = None) -> Rotati
     layer.offset, layer._idx = q.offset, q._idx
     if q.step is not None:
         layer.step = q.step
+    cut = getattr(q, CUT_ATTR, None)
+    if isinstance(cut, int) and 0 < cut < layer.offset:  # a prefix of an unwrapped ring
+        layer.trim(layer.offset - cut)
     return layer

@@ -82,6 +82,8 @@ def _from_lent(layer: Any, n: int, whole: bool) -> Any:
         return new
     if whole:
         return _snapshot_layer(layer)
+    if hasattr(layer, "cut"):  # a stored layer that cuts itself (a quantized ring)
+        return layer.cut(n)
     return _copy_layer(layer, n, share=True)
 
 

@@ -169,6 +169,8 @@ def can_copy_prefix(cache: list, n: int) -> bool:
     """Cheap check whether :func:`copy_prefix` would succeed (no copying)."""
 
     def ok(layer: Any) -> bool:
+        if hasattr(layer, "can_cut"):  # a stored layer that cuts itself (a quantized ring)
+            return bool(layer.can_cut(n))
         layout = layout_of(layer)
         if layout is None or layout == "ArraysCache" or extra_scalars(layer, layout) is None:
             return False
@@ -202,7 +204,8 @@ def copy_prefix(cache: list, n: int, *, share: bool = False) -> list | None:
     no free slot, so the first write grows into a new buffer rather than copying the view.
     """
     try:
-        out = [_copy_layer(c, n, share) for c in cache]
+        # a stored layer that cuts itself (a quantized ring, the codec's: shared arrays)
+        out = [c.cut(n) if hasattr(c, "cut") else _copy_layer(c, n, share) for c in cache]
     except Exception:
         log.debug("copy_prefix failed", exc_info=True)
         return None

@@ -283,7 +283,7 @@ class PromptStore(Demotion):
                 self._c["stored"] += 1
                 self._new_entry_precision(entry, demoted=demoted)
                 self.settle_lent(model_key, key, cache)
-                if is_trimmable(cache):
+                if is_trimmable(cache) or can_copy_prefix(cache, len(key)):  # a quantized ring
                     for _, prev in self._index.prefixes_of(model_key, key):
                         if not _serves_all_of(cache, prev.cache):
                             continue
