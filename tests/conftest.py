@@ -20,6 +20,20 @@ def _clean_kvplugin_env(monkeypatch):
     plugins.reset_plugin_manager()
 
 
+@pytest.fixture
+def tiny_llama():
+    """A 2-layer llama with random weights (a host's loaded model, for start-up work)."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=2, rms_norm_eps=1e-5,
+                           vocab_size=128, num_key_value_heads=1)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
 #: the remote tier's block in the tests that drive it (small, so short entries span blocks)
 REMOTE_BLOCK = 64
 

@@ -17,26 +17,13 @@ from kvplugin.plugins import create_plugin_manager
 from kvplugin.settings import resolve_settings
 
 
-def _tiny_model():
-    import mlx.core as mx
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
-                           intermediate_size=128, num_attention_heads=2, rms_norm_eps=1e-5,
-                           vocab_size=128, num_key_value_heads=1)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
-def _service(host: str = "test", **flags) -> KVService:
-    """A service that has learnt a (tiny) model, as a host's start-up leaves it."""
+def _service(model, host: str = "test", **flags) -> KVService:
+    """A service that has learnt ``model``, as a host's start-up leaves it."""
     from mlx_lm.models.cache import make_prompt_cache
 
     pm = create_plugin_manager(load_entry_points=False)
     service = KVService(resolve_settings(flags), host=host, hook=pm.hook, max_bytes=1 << 30)
     if host != "none":  # kvplugin info loads no model
-        model = _tiny_model()
         service.learn_model(model, make_prompt_cache(model))
     return service
 
@@ -52,7 +39,7 @@ def _cold_codec():
                                          (8, ["affine", "rotated-channel"]),  # + windows'
                                          (2, ["rotated-channel-sym"])])
 def test_the_configured_codec_round_trips_once_per_dtype_before_serving(monkeypatch, bits,
-                                                                       codecs):
+                                                                       codecs, tiny_llama):
     seen = []
     real_q, real_d = quantize.quantize_entry, quantize.dequantize_entry
 
@@ -73,7 +60,7 @@ def test_the_configured_codec_round_trips_once_per_dtype_before_serving(monkeypa
                         host="test", hook=pm.hook, max_bytes=1 << 30)
     from mlx_lm.models.cache import make_prompt_cache
 
-    model = _tiny_model()
+    model = tiny_llama
     monkeypatch.setattr(quantize, "quantize_entry", spy_q)
     monkeypatch.setattr(quantize, "dequantize_entry", spy_d)
     assert seen == []  # not before the host's load
@@ -86,13 +73,13 @@ def test_the_configured_codec_round_trips_once_per_dtype_before_serving(monkeypa
     assert restored == ["KVCache"] * 3 * len(codecs)  # quantized, then restored to a plain cache
 
 
-def test_nothing_is_warmed_without_quantization_or_outside_a_host(monkeypatch):
+def test_nothing_is_warmed_without_quantization_or_outside_a_host(monkeypatch, tiny_llama):
     calls = []
     monkeypatch.setattr(quantize, "warm_up", lambda plan: calls.append(plan))
-    _service()
-    _service(host="none", kv_cache_quantization=True)
+    _service(tiny_llama)
+    _service(tiny_llama, host="none", kv_cache_quantization=True)
     assert calls == []
-    _service(kv_cache_quantization=True)
+    _service(tiny_llama, kv_cache_quantization=True)
     assert len(calls) == 1
 
 

@@ -48,12 +48,10 @@ def test_trim_heap_gives_freed_heap_pages_back():
 
 
 @pytest.mark.parametrize("max_memory", ["auto", "off"])
-def test_service_start_up_and_model_probe_trim_the_heap(monkeypatch, max_memory):
+def test_service_start_up_and_model_probe_trim_the_heap(monkeypatch, max_memory, tiny_llama):
     """Both ends of kvplugin's own start-up work trim: the service (settings, codec warm-up)
     before the host loads its model, and the model probe before the first request (with or
     without admission control, which runs the probe)."""
-    import mlx.core as mx
-    from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvplugin import plugins
@@ -67,11 +65,6 @@ def test_service_start_up_and_model_probe_trim_the_heap(monkeypatch, max_memory)
                                 host="test",
                                 hook=plugins.create_plugin_manager(load_entry_points=False).hook)
     assert calls == ["trim"]
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
-                           intermediate_size=128, num_attention_heads=2, rms_norm_eps=1e-5,
-                           vocab_size=128, num_key_value_heads=1)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    svc.learn_model(model, make_prompt_cache(model))
+    svc.learn_model(tiny_llama, make_prompt_cache(tiny_llama))
     assert calls == ["trim", "trim"]
     svc.close()
