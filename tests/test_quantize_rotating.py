@@ -306,21 +306,23 @@ def test_storing_a_ring_s_protected_slots_once_saves_their_codes():
     assert q.nbytes == protected + value_codes + key_codes
 
 
+@pytest.mark.parametrize("cls", [RotatingKVCache, PreallocatedRotatingKVCache])
 @pytest.mark.parametrize("codec", ["affine", "rotated-channel"])
-def test_an_unwrapped_quantized_ring_is_cut_like_stock_trims_it_and_a_wrapped_one_never(codec):
+def test_an_unwrapped_quantized_ring_is_cut_like_stock_trims_it_and_a_wrapped_one_never(codec,
+                                                                                      cls):
     """Another conversation sharing a prefix of a stored window entry (a system prompt) gets
     the entry cut there, as stock's trim gives it: restored whole, then trimmed; the donor
     stays as stored. A wrapped ring no longer holds its first tokens: never cut."""
     from kvplugin.cache.layers import can_copy_prefix, copy_prefix
 
-    layer = trim_entry([rotating(RotatingKVCache, 50)])[0]  # a 64-slot window, not wrapped
+    layer = trim_entry([rotating(cls, 50)])[0]  # a 64-slot window, not wrapped
     stored = quantize_entry([layer], bits=4, group_size=64, codec=codec, sink_tokens=4,
                             recent_tokens=16).cache
     (whole,) = dequantize_entry(list(stored))
     assert can_copy_prefix(stored, 30) and not can_copy_prefix(stored, 51)
     cut = copy_prefix(stored, 30, share=True)
     (back,) = dequantize_entry(cut)
-    assert type(back) is RotatingKVCache and (back.offset, back._idx) == (30, 30)
+    assert type(back) is cls and (back.offset, back._idx) == (30, 30)
     k = mx.ones((1, 2, 3, 64), dtype=mx.float16)  # the next prompt's tokens: what stock sees
     want, _ = copy_prefix([whole], 30)[0].update_and_fetch(k, k)
     got, _ = back.update_and_fetch(k, k)
@@ -328,6 +330,7 @@ def test_an_unwrapped_quantized_ring_is_cut_like_stock_trims_it_and_a_wrapped_on
     assert mx.array_equal(got, want).item()
     (again,) = dequantize_entry(stored)  # the donor is untouched: still 50 tokens
     assert again.offset == 50
-    wrapped = quantize_entry([trim_entry([rotating(RotatingKVCache, 150)])[0]], bits=4,
-                             group_size=64, codec=codec).cache
-    assert not can_copy_prefix(wrapped, 30) and copy_prefix(wrapped, 30) is None
+    for n in (64, 150):  # full (as stock: not trimmable), and wrapped
+        ring = quantize_entry([trim_entry([rotating(cls, n)])[0]], bits=4, group_size=64,
+                              codec=codec).cache
+        assert not can_copy_prefix(ring, 30) and copy_prefix(ring, 30) is None

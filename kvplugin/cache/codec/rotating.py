@@ -85,8 +85,9 @@ class QuantizedRotatingKVCache:
 
     def can_cut(self, n: int) -> bool:
         """Whether :meth:`cut` can give the first ``n`` tokens: only from a ring that has not
-        wrapped (its slots hold tokens ``[0, offset)`` in order), as stock's trim."""
-        return (self.keys is not None and 1 <= n <= self.offset <= self.max_size
+        wrapped and is not full (its slots hold tokens ``[0, offset)`` in order), as
+        stock's ``RotatingKVCache.is_trimmable``."""
+        return (self.keys is not None and 1 <= n <= self.offset < self.max_size
                 and self._idx == self.offset)
 
     def cut(self, n: int) -> QuantizedRotatingKVCache | None:
@@ -270,4 +271,6 @@ def dequantize_rotating(q: QuantizedRotatingKVCache, rope: Any = None) -> Rotati
     cut = getattr(q, CUT_ATTR, None)
     if isinstance(cut, int) and 0 < cut < layer.offset:  # a prefix of an unwrapped ring
         layer.trim(layer.offset - cut)
+        if layer.offset != cut:  # the class would not give it: a miss, never misread
+            raise UnknownCodec(f"a stored {q.cls} ring that cannot be cut to {cut} tokens")
     return layer
