@@ -2,69 +2,63 @@
 answers and prompt tokens reused per turn against stock's (docs/benchmarks.md, "A shared
 system prompt inside a window").
 
-    python docs/measure_window_share.py MODEL_DIR {batched,seq} stock fp16 "q4=--kv-cache-quantization --kv-cache-quantization-bits 4" ...
+    python docs/measure_window_share.py MODEL_DIR {batched,seq} stock fp16 \\
+        "q4=--kv-cache-quantization --kv-cache-quantization-bits 4" ...
 
 A (3 turns) on a ~420-token system prompt, B (3 turns) on the same, C on another, A2 as A
-again; 24 greedy tokens per answer; ``seq`` sends seeded requests (mlx-lm's sequential path).
-A label starting with ``stock`` runs with KVPLUGIN_DISABLE=1; ``{wd}`` in flags is the run's
-scratch directory.
+again; 24 greedy tokens per answer. ``seq`` sends seeded requests (mlx-lm's sequential path).
+The first label is the baseline; one starting with ``stock`` runs with KVPLUGIN_DISABLE=1;
+``{wd}`` in the flags is the run's scratch directory. Preload OpenBLAS for real models.
 """
+
+from __future__ import annotations
+
 import sys
 import tempfile
-import time
 from pathlib import Path
-from kvplugin.tools.hostcmd import mlx_lm_server_cmd, free_port
-from kvplugin.tools.hostproc import ServerProcess, answer_text, cached_tokens, ServerStartError
-from kvplugin.tools.prompts import TextMaker as PromptMaker
 
-model = Path(sys.argv[1]); seeded = sys.argv[2] == "seq"; configs = sys.argv[3:]
-pm = PromptMaker(model)
-system = pm.text(420, seed=1)
-other = pm.text(300, seed=2)
-def convs():
-    return [("A", system), ("B", system), ("C", other), ("A2", system)]
-def run(flags, env, label):
+from kvplugin.tools.hostcmd import free_port, mlx_lm_server_cmd
+from kvplugin.tools.hostproc import ServerProcess, answer_text, cached_tokens
+from kvplugin.tools.prompts import TextMaker
+
+TURNS = 3
+
+
+def run(model: Path, flags: list[str], env: dict[str, str], seeded: bool) -> dict:
+    """Every conversation's answers and cached tokens, in order, on one fresh server."""
+    texts = TextMaker(model)
+    system, other = texts.text(420, seed=1), texts.text(300, seed=2)
+    work = Path(tempfile.mkdtemp(prefix="window-share-"))
+    flags = [f.replace("{wd}", str(work)) for f in flags]
     port = free_port()
-    out = {"answers": [], "cached": [], "prompt": []}
-    wd = Path(tempfile.mkdtemp(prefix="sweep-"))
-    flags = [f.replace("{wd}", str(wd)) for f in flags]
-    with ServerProcess(mlx_lm_server_cmd(model, port, *flags), port=port, env=env, workdir=wd, startup_timeout=300) as srv:
-        for name, sp in convs():
-            msgs = [{"role": "system", "content": sp}]
-            for t in range(3):
-                msgs.append({"role": "user", "content": f"{name} question {t+1}: summarize part {t+1} in one sentence."})
-                r = srv.chat(msgs, max_tokens=24, seed=(7 if seeded else None))
-                a = answer_text(r); msgs.append({"role": "assistant", "content": a})
-                out["answers"].append(a); out["cached"].append(cached_tokens(r)); out["prompt"].append(r["usage"]["prompt_tokens"])
-        try:
-            out["stats"] = srv.get("/kvplugin/stats")
-        except Exception as e:
-            out["stats"] = str(e)
-        log = srv.log_text()
-        out["kvlines"] = [l for l in log.splitlines() if "kvplugin" in l][:12]
-        out["tracebacks"] = log.count("Traceback")
+    out: dict = {"answers": [], "cached": []}
+    with ServerProcess(mlx_lm_server_cmd(model, port, *flags), port=port, env=env,
+                       workdir=work, startup_timeout=300) as srv:
+        for name, prompt in (("A", system), ("B", system), ("C", other), ("A2", system)):
+            messages = [{"role": "system", "content": prompt}]
+            for t in range(TURNS):
+                messages.append({"role": "user", "content": f"{name} question {t + 1}: "
+                                 f"summarize part {t + 1} in one sentence."})
+                r = srv.chat(messages, max_tokens=24, seed=7 if seeded else None)
+                messages.append({"role": "assistant", "content": answer_text(r)})
+                out["answers"].append(answer_text(r))
+                out["cached"].append(cached_tokens(r) or 0)
     return out
-base = None
-for cfg in configs:
-    label, _, rest = cfg.partition("=")
-    flags = rest.split() if rest else []
-    env = {}
-    if label.startswith("stock"):
-        env["KVPLUGIN_DISABLE"] = "1"
-    for f in list(flags):
-        if f.startswith("ENV:"):
-            k, v = f[4:].split(":", 1); env[k] = v; flags.remove(f)
-    t0 = time.time()
-    try:
-        r = run(flags, env, label)
-    except Exception as e:
-        print(f"{label:28} FAILED {type(e).__name__}: {str(e)[-600:]}"); continue
-    if base is None:
-        base = r
-    same = sum(a == b for a, b in zip(r["answers"], base["answers"]))
-    reuse = sum(c or 0 for c in r["cached"]); breuse = sum(c or 0 for c in base["cached"])
-    st = r["stats"] if isinstance(r["stats"], dict) else {}
-    print(f"{label:28} same {same}/{len(base['answers'])} reused {reuse} (base {breuse}) tb {r['tracebacks']} {time.time()-t0:.0f}s  cached {r['cached']}")
-    diff = [i for i, (a, b) in enumerate(zip(r["answers"], base["answers"])) if a != b]
-    if diff: print("     differ at", diff)
-    for l in r["kvlines"][:6]: print("     |", l[:220])
+
+
+def main(argv: list[str]) -> None:
+    model, seeded = Path(argv[0]), argv[1] == "seq"
+    base = None
+    for config in argv[2:]:
+        label, _, rest = config.partition("=")
+        env = {"KVPLUGIN_DISABLE": "1"} if label.startswith("stock") else {}
+        got = run(model, rest.split(), env, seeded)
+        base = base or got
+        same = sum(a == b for a, b in zip(got["answers"], base["answers"]))
+        print(f"{label:12} answers = {argv[2].partition('=')[0]}'s: {same}/{len(got['answers'])}"
+              f"  reused {sum(got['cached'])} (mlx_lm.server's cached_tokens per turn: "
+              f"{got['cached']})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
