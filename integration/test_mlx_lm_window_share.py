@@ -83,3 +83,37 @@ def test_a_shared_prompt_inside_the_window_is_reused_after_a_conversation_passed
         assert sum(sum(r) for _, r in got.values()) >= sum(sum(r) for _, r in stock.values())
     else:  # a 4-bit answer may differ, and the next prompt with it: first turns only
         assert stats["entries_quantized"] >= 1, stats
+
+
+LONG = " ".join(CORPUS.split()[:300])  # a system prompt past the 128-token windows
+
+
+def test_a_system_prompt_checkpoint_outlives_other_turns_at_the_entry_cap(gemma, start_server):
+    """mlx-lm's batched path stores a system-prompt checkpoint beside each conversation's
+    turns, and at its 10-entry cap evicts assistant turns first (``CacheOrder``). With one
+    plain LRU the store evicted the checkpoint: a conversation opening as an earlier one did
+    reused 0 tokens where stock reused the whole system prompt (measured on this model)."""
+    def chats(srv) -> list[tuple[str, int]]:
+        out = []
+        for who, system in (("A", LONG), ("B", LONG), ("C", OTHER), ("A", LONG)):
+            messages = [{"role": "system", "content": system}]
+            for t in range(3):
+                messages.append({"role": "user", "content": f"{who} question {t + 1}?"})
+                r = stream_chat(srv, messages, max_tokens=24)
+                messages.append({"role": "assistant", "content": r.text})
+                out.append((r.text, r.cached_tokens or 0))
+        return out
+
+    servers = [start_server(harness.mlx_lm_server_cmd, env={"KVPLUGIN_DISABLE": "1"},
+                            model_dir=gemma)]
+    try:
+        want = chats(servers[0])
+        servers[0].stop()
+        servers.append(start_server(harness.mlx_lm_server_cmd, model_dir=gemma))
+        got = chats(servers[1])
+    finally:
+        for srv in servers:
+            srv.stop()
+    assert want[9][1] > 128, ("stock reuses the system prompt at the last conversation", want)
+    assert [a for a, _ in got] == [a for a, _ in want]
+    assert all(g >= w for (_, g), (_, w) in zip(got, want)), (got, want)

@@ -33,6 +33,9 @@ class StoreEntry:
     demotable: bool = False
     #: Quantized in place by the pressure policy (a hit on it is restored, not moved as is).
     demoted: bool = False
+    #: The host's kind of entry (mlx-lm's ``cache_type``), for its eviction order
+    #: (:mod:`kvplugin.cache.store.order`); None: the host gives none.
+    kind: str | None = None
 
 
 @runtime_checkable

@@ -220,7 +220,8 @@ class KVService(Holdings, Persistence, Reporting):
         donor = self.store.stored_prefix(model_key, tokens)
         return donor if donor and is_quantized(donor) else None
 
-    def insert(self, model_key: str, tokens: Sequence[int], cache: list) -> bool:
+    def insert(self, model_key: str, tokens: Sequence[int], cache: list, *,
+               kind: str | None = None) -> bool:
         """Trim/quantize ``cache`` and store it under ``tokens`` (it is owned by us now)."""
         entry = self._prepare_owned(model_key, tokens, cache)
         if entry is cache and self.store.demote is not None:
@@ -230,7 +231,7 @@ class KVService(Holdings, Persistence, Reporting):
             # response): drop its references now so a replaced full-precision original is
             # freed at insert, not at the next request.
             cache.clear()
-        return self.store_prepared(model_key, tokens, entry)
+        return self.store_prepared(model_key, tokens, entry, kind=kind)
 
     def _prepare_owned(self, model_key: str, tokens: Sequence[int], cache: list) -> list:
         donor = self.stored_prefix(model_key, tokens)
@@ -249,7 +250,7 @@ class KVService(Holdings, Persistence, Reporting):
         return key, self._prepare_owned(model_key, key, cache)
 
     def store_prepared(self, model_key: str, tokens: Sequence[int], entry: list, *,
-                       prompt_len: int | None = None) -> bool:
+                       prompt_len: int | None = None, kind: str | None = None) -> bool:
         """Keep an entry :meth:`prepare_entry` made: into the store, then written through to
         a tier that shares entries (the remote one), from this thread (it owns the arrays).
 
@@ -259,18 +260,16 @@ class KVService(Holdings, Persistence, Reporting):
         """
         if prompt_len is None:
             prompt_len = self._recent_prompts.prompt_len(model_key, tokens)
-        # under pressure: quantized here, not evaluated, where the budget cannot hold it
-        # (prepared at full precision: the store may have changed since)
+        # under pressure: quantized here where the budget cannot hold it (it may have changed)
         entry, demoted = fit_at_insert(self, model_key, tokens, entry)
-        # Where another thread may take it (a cold tier's spill or shut-down flush, the demotion
-        # worker, a host that serves it elsewhere), evaluated here: MLX cannot run a graph made
-        # on this thread's streams there. Otherwise lazy: its copy is made once the live cache
-        # has gone.
+        # Evaluated here where another thread may take it (a cold tier's spill or flush, the
+        # demotion worker, a host serving it elsewhere): MLX cannot run a graph made on this
+        # thread's streams there. Otherwise lazy: copied once the live cache has gone.
         if self.evaluate_at_store or self.store.cold is not None or self.store.demote is not None:
             mx.eval(entry_arrays(entry))
         stored = self.store.insert(model_key, list(tokens), entry, prompt_len=prompt_len,
-                                   demoted=demoted, cold_only=self.idle_hold is not None
-                                   and not self.idle_hold.may_hold())
+                                   demoted=demoted, kind=kind, cold_only=self.idle_hold
+                                   is not None and not self.idle_hold.may_hold())
         if stored:
             self._event("store", len(tokens), entry)
             self.store.publish(model_key, tokens, entry)
@@ -314,8 +313,9 @@ class KVService(Holdings, Persistence, Reporting):
         caller(event=event, tokens=int(tokens), nbytes=nbytes, seconds=float(seconds))
 
     def give_back(self, model_key: str, tokens: Sequence[int], cache: list, *,
-                  min_tokens: int = 1) -> bool:
-        """A finished request's cache: store it keyed by exactly what it holds.
+                  min_tokens: int = 1, kind: str | None = None) -> bool:
+        """A finished request's cache: store it keyed by exactly what it holds (``kind``:
+        the host's kind of entry, :mod:`kvplugin.cache.store.order`).
 
         Hosts key an entry by the tokens they fed; a cache may hold fewer (an unreported
         prefill) or more (an EOS fed but not returned). The key is cut, or the cache trimmed
@@ -323,7 +323,7 @@ class KVService(Holdings, Persistence, Reporting):
         a wrong key would hand one conversation's KV to another. False: not stored.
         """
         key = self._finished_key(cache, tokens, min_tokens)
-        return key is not None and self.insert(model_key, key, cache)
+        return key is not None and self.insert(model_key, key, cache, kind=kind)
 
     def _finished_key(self, cache: list, tokens: Sequence[int], min_tokens: int) -> list | None:
         if entry_tokens(cache) == 0:

@@ -37,7 +37,7 @@ class Lent:
         """Record that ``entry`` (cut to ``n`` tokens) went to this thread as ``cache`` (its
         layers, or what the caller restored them to)."""
         self._snaps.append(StoreEntry(entry.model_key, entry.tokens[:n], lend_view(cache),
-                                      entry.nbytes, entry.prompt_len))
+                                      entry.nbytes, entry.prompt_len, kind=entry.kind))
         self._thread[id(self._snaps[-1])] = threading.get_ident()
         del self._snaps[:-MAX_LENT]
         self._forget_dropped()

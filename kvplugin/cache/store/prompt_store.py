@@ -4,19 +4,16 @@ Why it exists: stock mlx-lm deep-copies an entry on every hit and keeps one copy
 conversation; the store hands the entry itself to the request (a move), keeps one entry per
 conversation, and spills what it evicts to a cold tier instead of dropping it.
 
-In short (the whole specification is ``docs/store.md``):
-
-* an entry is a host cache (a list of mlx-lm layers) keyed by ``(model_key, tokens)``, priced by
-  the bytes it holds; the byte budget and entry count hold after every insert (LRU eviction);
-* ``fetch`` gives the longest stored prefix (moved out), else a copy of a shared prefix of a
-  longer entry (views: the donor stays), else a copy of an entry lent to a request still in
-  flight, else asks the cold tier; one token is always left for the host to feed;
-* ``insert`` takes ownership; a longer entry supersedes a shorter one only if it can give every
-  prefix that one could;
-* evictions go to ``on_evict`` and then to the cold tier, outside the store's lock; with a
-  ``demote`` callable (the pressure policy) a worker quantizes full-precision entries in place
-  ahead of need (:mod:`kvplugin.cache.store.demotion`);
-* the cold tier is any :class:`kvplugin.types.ColdTier`; this module never imports one.
+In short (the whole specification is ``docs/store.md``): an entry is a host cache keyed by
+``(model_key, tokens)``, priced by its bytes; the budget and entry count hold after every insert
+(evicting in the host's order, :mod:`kvplugin.cache.store.order`). ``fetch`` gives the longest
+stored prefix (moved out), else a copy of a longer entry's shared prefix (views), else a copy of
+an entry lent to a request in flight, else asks the cold tier; one token is always left to feed.
+``insert`` takes ownership; a longer entry supersedes a shorter one only if it can give every
+prefix that one could. Evictions go to ``on_evict``, then to the cold tier (any
+:class:`kvplugin.types.ColdTier`, never imported here), outside the lock; with a ``demote``
+callable (the pressure policy) a worker quantizes entries in place ahead of need
+(:mod:`kvplugin.cache.store.demotion`).
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ from kvplugin.cache.store.index import KeyIndex, to_key
 from kvplugin.cache.layers import (can_copy_prefix, copy_floor, copy_lent, copy_prefix,
                                    entry_nbytes, entry_tokens, is_trimmable, prefix_views)
 from kvplugin.cache.store.lent import MAX_LENT, Lent
+from kvplugin.cache.store.order import HOST_ORDER, next_victim
 from kvplugin.cache.store.stats import StoreStats
 from kvplugin.types import ColdTier, StoreEntry
 
@@ -79,6 +77,7 @@ class PromptStore(Demotion):
         self._index = KeyIndex(size=lambda e: e.nbytes)  # (model_key, tokens) -> StoreEntry
         self._owner: dict[int, StoreEntry] = {}  # id(first layer) -> entry holding it
         self._lent = Lent()  # snapshots of entries moved out
+        self._kinds = False  # entries of kinds the host evicts in its own order (order.py)
         self._moving: dict[int, tuple[StoreEntry, int]] = {}  # thread -> its fetch's move
         self._c = dict.fromkeys(("stored hits misses evictions spills cold_hits discarded moved "
                                  "copied tokens_reused rejected replaced superseded lent_copies "
@@ -86,7 +85,6 @@ class PromptStore(Demotion):
         self._init_demotion(demote, on_demote)
 
     # ---------------------------------------------------------------- basics
-
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)
@@ -143,8 +141,8 @@ class PromptStore(Demotion):
         out = []
         index = self._index
         while len(index) and (index.nbytes > n_bytes or len(index) > n_entries):
-            entry = index.oldest()
-            if entry is keep:
+            entry = next_victim(index.values(), keep) if self._kinds else index.oldest()
+            if entry is keep or entry is None:  # with kinds: the host's own order
                 break
             self._remove(entry)
             out.append(entry)
@@ -250,6 +248,7 @@ class PromptStore(Demotion):
     def insert(
         self, model_key: str, tokens: Sequence[int], cache: list, *, nbytes: int | None = None,
         prompt_len: int | None = None, demoted: bool = False, cold_only: bool = False,
+        kind: str | None = None,
     ) -> bool:
         """Store ``cache`` (ownership passes to the store) under ``tokens`` (``demoted``: it
         was quantized by :meth:`demote_at_insert`).
@@ -264,8 +263,9 @@ class PromptStore(Demotion):
                 self._c["rejected"] += 1
             return False
         price = entry_nbytes(cache) if nbytes is None else int(nbytes)
-        entry = StoreEntry(model_key, key, cache, price, prompt_len)
+        entry = StoreEntry(model_key, key, cache, price, prompt_len, kind=kind)
         held = old = prev = None
+        self._kinds = self._kinds or kind not in (None, HOST_ORDER[0])
         with self._lock:
             hot = price <= self.max_bytes and self.max_entries != 0 and not (
                 cold_only and self.cold is not None)
@@ -427,7 +427,8 @@ class PromptStore(Demotion):
             for lent in self._lent.settle(model_key, key, cache):
                 kept = copy_lent(lent.cache, len(lent.tokens), whole=True)
                 if kept is not None and self._index.get(model_key, lent.tokens) is None:
-                    again = StoreEntry(model_key, lent.tokens, kept, entry_nbytes(kept))
+                    again = StoreEntry(model_key, lent.tokens, kept, entry_nbytes(kept),
+                                       kind=lent.kind)
                     self._index.add(model_key, lent.tokens, again)
                     self._owner[id(kept[0])] = again
                     self._new_entry_precision(again, inserted=False)

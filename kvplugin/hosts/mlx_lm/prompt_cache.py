@@ -28,8 +28,8 @@ class KVPluginPromptCache:
     caller (no deepcopy) and returns it dequantized; an exact hit leaves one token to
     process (stock returns no tokens, which both host paths reject); the byte budget
     (``max_bytes``, the host's ``--prompt-cache-bytes``) holds after every insert on
-    both paths; evictions spill to the cold tier when there is one. ``cache_type`` is
-    accepted and ignored: the store keeps one LRU order.
+    both paths; evictions spill to the cold tier when there is one. ``cache_type`` orders
+    evictions as stock's ``CacheOrder`` does (:mod:`kvplugin.cache.store.order`).
     """
 
     #: the adapter that installed this class (set by it: the class never imports it back)
@@ -89,7 +89,8 @@ class KVPluginPromptCache:
                 key="mlx-lm:insert-unknown-salt")
             return
         try:
-            self.service.give_back(self._key(model, salt), list(tokens), prompt_cache)
+            self.service.give_back(self._key(model, salt), list(tokens), prompt_cache,
+                                   kind=cache_type)
         except Exception as exc:
             say(f"prompt cache insert failed ({type(exc).__name__}: {exc}); entry "
                 "dropped", key="mlx-lm:insert-failed")
