@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable
 
-from kvplugin.cache.layers import can_copy_prefix, lend_view
+from kvplugin.cache.layers import can_copy_prefix, is_trimmable, lend_view
 from kvplugin.types import StoreEntry
 
 __all__ = ["MAX_LENT", "Lent"]
@@ -75,16 +75,17 @@ class Lent:
 
     def settle(self, model_key: Hashable, key: tuple, cache: list) -> list[StoreEntry]:
         """At an insert of ``key`` holding ``cache``: drop the snapshots it continues. Returns
-        those to store again: the ones the new entry cannot give by a copy (its continuation
-        is recurrent state or a wrapped window). A finished turn's too: stock keeps that
-        entry (it drops only the prefixes of a trimmable one), and it is the one entry that
-        can still be cut to a shared system prompt for another conversation."""
+        those to store again: a shared prefix that the new entry cannot give by a copy (its
+        continuation is recurrent state or a wrapped window) and that was no finished turn.
+        (Stock keeps a finished turn's too: docs/store.md, *Contention*, says what that costs
+        here.)"""
         keep, again = [], []
         for snap in self._snaps:
             n = len(snap.tokens)
             if snap.model_key != model_key or len(key) <= n or key[:n] != snap.tokens:
                 keep.append(snap)
-            elif not can_copy_prefix(cache, n):  # a host layer's own is_trimmable included
+            elif snap.prompt_len is None and not (is_trimmable(cache)
+                                                  and can_copy_prefix(cache, n)):
                 again.append(snap)
         self._snaps = keep
         self._forget_dropped()
