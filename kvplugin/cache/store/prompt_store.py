@@ -265,8 +265,8 @@ class PromptStore(Demotion):
         price = entry_nbytes(cache) if nbytes is None else int(nbytes)
         entry = StoreEntry(model_key, key, cache, price, prompt_len, kind=kind)
         held = old = prev = None
-        self._kinds = self._kinds or kind not in (None, HOST_ORDER[0])
         with self._lock:
+            self._kinds = self._kinds or kind not in (None, HOST_ORDER[0])
             hot = price <= self.max_bytes and self.max_entries != 0 and not (
                 cold_only and self.cold is not None)
             held = self._owner.get(id(cache[0]))
